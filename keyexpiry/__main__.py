@@ -1,0 +1,3 @@
+from keyexpiry.cli import main
+
+main()

@@ -1,0 +1,339 @@
+"""The `keyexpiry` command: parse options, build settings, call one library function."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import functools
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+
+from keyexpiry.errors import ConfigError, KeyExpiryError
+from keyexpiry.log import configure_logging
+from keyexpiry.settings import Settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+app = typer.Typer(
+    help="Delayed tasks on Redis keyspace notifications, with a SQL ledger.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+TasksOpt = typer.Option(
+    None, "--tasks", envvar="KEYEXPIRY_TASKS", help="Comma-separated modules that register tasks."
+)
+
+
+@app.callback()
+def _global(
+    ctx: typer.Context,
+    redis_url: str = typer.Option(
+        None, envvar="KEYEXPIRY_REDIS_URL", help="redis:// or rediss:// URL; empty: embedded."
+    ),
+    database_url: str = typer.Option(
+        None, envvar="KEYEXPIRY_DATABASE_URL", help="SQLAlchemy URL; empty: SQLite in state dir."
+    ),
+    state_dir: Path = typer.Option(
+        None, envvar="KEYEXPIRY_STATE_DIR", help="Where embedded Redis and SQLite live."
+    ),
+    key_prefix: str = typer.Option(None, envvar="KEYEXPIRY_KEY_PREFIX", help="Task key prefix."),
+    log_level: str = typer.Option("INFO", envvar="KEYEXPIRY_LOG_LEVEL", help="Log level."),
+) -> None:
+    configure_logging(log_level)
+    ctx.obj = {
+        "redis_url": redis_url,
+        "database_url": database_url,
+        "state_dir": state_dir,
+        "key_prefix": key_prefix,
+        "log_level": log_level,
+    }
+
+
+def _errors(func: F) -> F:
+    """Known errors become one line on stderr and exit code 1, never a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except KeyExpiryError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _settings(ctx: typer.Context, **flags: Any) -> Settings:
+    return Settings.from_env(**(ctx.obj or {}), **flags)
+
+
+def load_task_modules(modules: tuple[str, ...]) -> None:
+    """Import the modules that register task classes; the current directory is importable."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"cannot import task module {name!r}: {exc}") from None
+
+
+def _tasks(value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    return tuple(p.strip() for p in value.split(",") if p.strip())
+
+
+@contextlib.contextmanager
+def _connections(settings: Settings) -> Iterator[tuple[Any, Any]]:
+    """The ledger and a Redis client for a one-off command, closed afterwards."""
+    from keyexpiry.connections import open_store, redis_client, resolve_redis_url
+
+    store = open_store(settings)
+    try:
+        client = redis_client(resolve_redis_url(settings), settings)
+        try:
+            yield store, client
+        finally:
+            client.close()
+    finally:
+        store.engine.dispose()
+
+
+def _client(settings: Settings) -> Any:
+    from keyexpiry.scheduler import Client
+
+    load_task_modules(settings.tasks)
+    return Client(settings)
+
+
+def _key(client: Any, class_name: str, method: str, args: list[str]) -> str:
+    """The key for CLI arguments: typed through the registry when the class is loaded."""
+    from keyexpiry.errors import UnknownTaskError
+    from keyexpiry.keys import format_key
+
+    try:
+        return str(client.key_for(f"{class_name}.{method}", *args))
+    except UnknownTaskError:
+        return format_key(class_name, method, args, prefix=client.settings.key_prefix)
+
+
+@app.command()
+@_errors
+def listen(
+    ctx: typer.Context,
+    tasks: str = TasksOpt,
+    concurrency: int = typer.Option(
+        None, envvar="KEYEXPIRY_CONCURRENCY", help="Handlers run at once."
+    ),
+    configure_redis: bool = typer.Option(
+        False, "--configure-redis", help="Turn on notify-keyspace-events Ex if it is off."
+    ),
+) -> None:
+    """Run the listener until SIGTERM/SIGINT."""
+    from keyexpiry.listener import Listener
+
+    settings = _settings(
+        ctx, tasks=_tasks(tasks), concurrency=concurrency, configure_redis=configure_redis or None
+    )
+    load_task_modules(settings.tasks)
+    Listener(settings).run()
+
+
+@app.command()
+@_errors
+def create(
+    ctx: typer.Context,
+    class_name: str = typer.Argument(..., metavar="CLASS"),
+    method: str = typer.Argument(...),
+    args: list[str] = typer.Argument(None, metavar="[ARG]..."),
+    ttl: float = typer.Option(None, "--ttl", help="Run after this many seconds."),
+    ttl_ms: int = typer.Option(None, "--ttl-ms", help="Run after this many milliseconds."),
+    at: str = typer.Option(None, "--at", help="Run at an ISO 8601 time (naive = local time)."),
+    tasks: str = TasksOpt,
+) -> None:
+    """Schedule CLASS.METHOD(ARG...) and print its key."""
+    when: dt.datetime | None = None
+    if at is not None:
+        try:
+            when = dt.datetime.fromisoformat(at)
+        except ValueError:
+            raise ConfigError(f"--at {at!r} is not an ISO 8601 time") from None
+        if when.tzinfo is None:
+            when = when.astimezone()
+    if sum(x is not None for x in (ttl, ttl_ms, when)) != 1:
+        raise ConfigError("give exactly one of --ttl, --ttl-ms or --at")
+    with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
+        key = client.create(
+            f"{class_name}.{method}", *(args or []), ttl_s=ttl, ttl_ms=ttl_ms, at=when
+        )
+    typer.echo(key)
+
+
+@app.command()
+@_errors
+def cancel(
+    ctx: typer.Context,
+    class_name: str = typer.Argument(..., metavar="CLASS"),
+    method: str = typer.Argument(...),
+    args: list[str] = typer.Argument(None, metavar="[ARG]..."),
+    tasks: str = TasksOpt,
+) -> None:
+    """Cancel a pending task (exit 1 if it is not pending)."""
+    with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
+        key = _key(client, class_name, method, args or [])
+        if client.cancel_keys([key]):
+            typer.echo(f"cancelled {key}")
+            return
+        row = client.store.get(key)
+        state = "does not exist" if row is None else f"is {row.status}"
+        raise KeyExpiryError(f"{key} {state}, not pending: nothing cancelled")
+
+
+@app.command()
+@_errors
+def show(
+    ctx: typer.Context,
+    class_name: str = typer.Argument(..., metavar="CLASS"),
+    method: str = typer.Argument(...),
+    args: list[str] = typer.Argument(None, metavar="[ARG]..."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+    tasks: str = TasksOpt,
+) -> None:
+    """Show one task's ledger row and remaining TTL."""
+    from keyexpiry.errors import TaskNotFoundError
+
+    with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
+        key = _key(client, class_name, method, args or [])
+        row = client.store.get(key)
+        if row is None:
+            raise TaskNotFoundError(f"no task {key}")
+        pttl = int(client.redis.pttl(key))
+    data = row.to_json()
+    data["ttl_ms"] = pttl if pttl >= 0 else None
+    if as_json:
+        typer.echo(json.dumps(data))
+        return
+    for name, value in data.items():
+        if name.endswith("_at") and value is not None:
+            stamp = dt.datetime.fromtimestamp(value).astimezone()
+            value = stamp.isoformat(timespec="milliseconds")
+        typer.echo(f"{name:>12}: {value}")
+
+
+@app.command("list")
+@_errors
+def list_tasks(
+    ctx: typer.Context,
+    status: str = typer.Option(None, "--status", help="pending/running/done/dead/cancelled."),
+    limit: int = typer.Option(50, "--limit", min=1),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+) -> None:
+    """List tasks by due time."""
+    from keyexpiry.connections import open_store
+    from keyexpiry.store import TaskStatus
+
+    try:
+        wanted = TaskStatus(status) if status else None
+    except ValueError:
+        allowed = ", ".join(s.value for s in TaskStatus)
+        raise ConfigError(f"--status {status!r}: use one of {allowed}") from None
+    store = open_store(_settings(ctx))
+    try:
+        rows = store.list_tasks(wanted, limit) if store.table_exists() else []
+    finally:
+        store.engine.dispose()
+    for row in rows:
+        if as_json:
+            typer.echo(json.dumps(row.to_json()))
+        else:
+            due = dt.datetime.fromtimestamp(row.due_at_ms / 1000).astimezone()
+            typer.echo(
+                f"{row.status:<9} {row.attempts:>3}  {due:%Y-%m-%d %H:%M:%S.%f}"[:-3]
+                + f"  {row.key}"
+            )
+
+
+@app.command()
+@_errors
+def reconcile(
+    ctx: typer.Context,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Report, change nothing."),
+) -> None:
+    """Re-arm keys Redis lost and requeue runs whose listener died."""
+    from keyexpiry.clock import RedisClock
+    from keyexpiry.reconcile import Reconciler
+
+    settings = _settings(ctx)
+    with _connections(settings) as (store, client):
+        store.create_schema()
+        reconciler = Reconciler(
+            store=store, redis_client=client, clock=RedisClock(client), settings=settings
+        )
+        with typer.progressbar(length=max(store.count_pending(), 1), label="reconciling") as bar:
+            done = [0]
+
+            def progress(n: int, _total: int) -> None:
+                bar.update(n - done[0])
+                done[0] = n
+
+            report = reconciler.run(dry_run=dry_run, progress=progress)
+    typer.echo(("would have: " if dry_run else "") + str(report))
+
+
+@app.command("init-db")
+@_errors
+def init_db(ctx: typer.Context) -> None:
+    """Create the time_limit_task table (idempotent)."""
+    from keyexpiry.connections import open_store
+
+    store = open_store(_settings(ctx))
+    try:
+        store.create_schema()
+    finally:
+        store.engine.dispose()
+    typer.echo("time_limit_task ready")
+
+
+@app.command()
+@_errors
+def doctor(
+    ctx: typer.Context,
+    fix: bool = typer.Option(False, "--fix", help="Turn keyspace notifications on if allowed."),
+) -> None:
+    """Check Redis and the database; exit 1 if something fails."""
+    from keyexpiry.doctor import run_checks
+
+    with _connections(_settings(ctx)) as (store, client):
+        checks = run_checks(client, store, fix=fix)
+    for c in checks:
+        typer.echo(f"[{c.status:>4}] {c.name:<13} {c.detail}")
+    if any(c.status == "fail" for c in checks):
+        raise typer.Exit(code=1)
+
+
+@app.command()
+@_errors
+def demo(ctx: typer.Context) -> None:
+    """A self-contained tour: example tasks due in seconds fire in a listener, then it exits."""
+    from keyexpiry.demo import DEMO_MODULES, run_demo
+
+    settings = _settings(ctx, tasks=DEMO_MODULES)
+    load_task_modules(settings.tasks)
+    if not run_demo(settings):
+        raise KeyExpiryError("some demo tasks did not finish in time")
+
+
+def main() -> None:
+    """Console entry point."""
+    app()

@@ -1,0 +1,76 @@
+"""The one clock of keyexpiry: due times and "is it due yet" come from Redis's clock.
+
+Application hosts may be skewed; Redis is the one server every creator and listener shares, and it
+is the clock that actually expires the keys (`SET ... PXAT due_ms`). Reading `TIME` on every call
+would cost a round trip, so `RedisClock` reads it once and advances it with the local monotonic
+clock, re-reading it now and then to follow drift.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+import redis
+
+
+def monotonic_s() -> float:
+    """Local monotonic seconds: for durations and deadlines, never for due times."""
+    return time.monotonic()
+
+
+class Clock(Protocol):
+    """Anything that tells the shared time in epoch milliseconds."""
+
+    def now_ms(self) -> int:
+        """Epoch milliseconds on the shared clock."""
+        ...
+
+
+class RedisClock:
+    """Redis server time (epoch ms), extrapolated locally between syncs every `resync_s` seconds."""
+
+    def __init__(self, client: redis.Redis, *, resync_s: float = 30.0) -> None:
+        self._client = client
+        self._resync_s = resync_s
+        self._lock = threading.Lock()
+        self._base_ms = 0.0
+        self._base_mono_s = -1e18
+
+    def sync(self) -> None:
+        """Read Redis `TIME`, placing it at the midpoint of the round trip."""
+        before = time.monotonic()
+        seconds, micros = self._client.time()
+        after = time.monotonic()
+        with self._lock:
+            self._base_ms = seconds * 1000.0 + micros / 1000.0
+            self._base_mono_s = (before + after) / 2.0
+
+    def now_ms(self) -> int:
+        """Epoch milliseconds on Redis's clock."""
+        mono = time.monotonic()
+        if mono - self._base_mono_s > self._resync_s:
+            self.sync()
+            mono = time.monotonic()
+        return int(self._base_ms + (mono - self._base_mono_s) * 1000.0)
+
+    def offset_ms(self) -> float:
+        """How far Redis's clock is ahead of this host's wall clock (negative: behind)."""
+        self.sync()
+        return self.now_ms() - time.time() * 1000.0
+
+
+class ManualClock:
+    """A clock tests move by hand, so no test sleeps to make time pass."""
+
+    def __init__(self, now_ms: int = 1_700_000_000_000) -> None:
+        self._now_ms = now_ms
+
+    def now_ms(self) -> int:
+        """The time last set or advanced to."""
+        return self._now_ms
+
+    def advance(self, delta_ms: int) -> None:
+        """Move the clock forward by `delta_ms`."""
+        self._now_ms += delta_ms

@@ -1,0 +1,38 @@
+"""What a running handler can learn about its own run (`keyexpiry.current()`)."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+
+@dataclass(frozen=True, slots=True)
+class TaskContext:
+    """The run in progress: its key, attempt number (1-based), due time and the ledger engine.
+
+    `engine` is the ledger's engine; handlers whose business tables live in the same database may
+    use it (as the examples in `tasks/` do).
+    """
+
+    key: str
+    attempt: int
+    due_at_ms: int
+    engine: Engine
+
+
+_current: ContextVar[TaskContext | None] = ContextVar("keyexpiry_task", default=None)
+
+
+def current() -> TaskContext:
+    """The context of the handler run on this thread; RuntimeError outside a handler."""
+    ctx = _current.get()
+    if ctx is None:
+        raise RuntimeError("keyexpiry.current() called outside a task handler")
+    return ctx
+
+
+def set_current(ctx: TaskContext | None) -> None:
+    """Set by the dispatcher around each handler call."""
+    _current.set(ctx)

@@ -1,0 +1,506 @@
+"""Claim, run, record, retry: everything between "this key expired" and a recorded outcome.
+
+Three kinds of thread keep the subscription free of database and handler latency:
+- the claimer drains submitted keys and claims them in batches (one transaction per batch);
+- a bounded pool of workers runs handlers, with a watchdog that fails runs past their timeout;
+- the recorder writes outcomes in batches and re-arms keys for retries.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import redis
+from loguru import logger
+
+from keyexpiry.clock import Clock, monotonic_s
+from keyexpiry.context import TaskContext, set_current
+from keyexpiry.errors import DoNotRetry, KeyExpiryError, Retry, StoreError, UnknownTaskError
+from keyexpiry.keys import parse_key
+from keyexpiry.registry import Registry, TaskSpec
+from keyexpiry.scheduler import arm
+from keyexpiry.settings import Settings
+from keyexpiry.store import Outcome, Store, TaskRow, TaskStatus
+
+_ERROR_MAX_CHARS = 8000
+
+
+@dataclass(eq=False)
+class _Run:
+    row: TaskRow
+    token: str
+    spec: TaskSpec
+    timeout_s: float
+    started_s: float | None = None
+    abandoned: bool = False
+
+
+@dataclass
+class DispatchStats:
+    """Counters since start, for status output, tests and the benchmark."""
+
+    submitted: int = 0
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    timed_out: int = 0
+    not_claimed: int = 0
+    store_errors: int = 0
+    by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class Dispatcher:
+    """Runs submitted task keys once per claim on a bounded worker pool."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        redis_client: redis.Redis,
+        clock: Clock,
+        registry: Registry,
+        settings: Settings,
+        owner: str,
+    ) -> None:
+        self.store = store
+        self.redis = redis_client
+        self.clock = clock
+        self.registry = registry
+        self.settings = settings
+        self.owner = owner
+        self.stats = DispatchStats()
+        self._incoming: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._runq: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
+        self._outcomes: list[Outcome] = []
+        self._cond = threading.Condition()
+        self._inflight = 0  # claimed and not yet finished (queued or running)
+        self._running: dict[int, _Run] = {}
+        self._recording = 0
+        self._backlog: collections.deque[str] = collections.deque()
+        self._claiming = False
+        self._stop_claiming = threading.Event()
+        self._stopped = threading.Event()
+        self._seq = itertools.count(1)
+        self._threads: list[threading.Thread] = []
+        self._warned_unknown: set[str] = set()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the claimer, the recorder, the watchdog and the worker pool."""
+        for name, target in (
+            ("claimer", self._claim_loop),
+            ("recorder", self._record_loop),
+            ("watchdog", self._watchdog_loop),
+        ):
+            self._spawn(name, target)
+        for _ in range(self.settings.concurrency):
+            self._spawn("worker", self._worker_loop)
+
+    def submit(self, keys: Iterable[str]) -> None:
+        """Queue task keys whose expiry (or overdue state) was seen; never blocks."""
+        for key in keys:
+            self.stats.submitted += 1
+            self._incoming.put(key)
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop claiming, let running handlers finish for up to `timeout_s`, release the rest."""
+        self._stop_claiming.set()
+        deadline = monotonic_s() + timeout_s
+        while self._claiming and monotonic_s() < deadline:
+            time.sleep(0.01)
+        unstarted: list[_Run] = []
+        while True:
+            try:
+                item = self._runq.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                unstarted.append(item)
+        self._release(unstarted)
+        for _ in range(self.settings.concurrency):
+            self._runq.put(None)
+        with self._cond:
+            while self._running and monotonic_s() < deadline:
+                self._cond.wait(0.05)
+            if self._running:
+                logger.warning(
+                    "{} handler(s) still running at shutdown; their leases will expire and "
+                    "reconciliation will run them again",
+                    len(self._running),
+                )
+        self._flush_outcomes(deadline=max(deadline, monotonic_s() + 5.0))
+        self._stopped.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        """Nothing queued, claimed, running or waiting to be recorded."""
+        with self._cond:
+            return (
+                self._incoming.empty()
+                and not self._backlog
+                and not self._claiming
+                and self._inflight == 0
+                and not self._outcomes
+                and self._recording == 0
+            )
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until `idle()`; False on timeout. A sync point for tests and the demo."""
+        deadline = monotonic_s() + timeout_s
+        while monotonic_s() < deadline:
+            if self.idle():
+                return True
+            time.sleep(0.005)
+        return self.idle()
+
+    # --- claimer ------------------------------------------------------------------------------
+    def _claim_loop(self) -> None:
+        backoff_s = self.settings.reconnect_initial_s
+        while not self._stop_claiming.is_set():
+            if not self._backlog:
+                try:
+                    self._backlog.append(self._incoming.get(timeout=0.1))
+                except queue.Empty:
+                    continue
+            with self._cond:
+                self._claiming = True
+                while self._inflight >= self.settings.concurrency:
+                    if self._stop_claiming.is_set():
+                        break
+                    self._cond.wait(0.1)
+                room = min(self.settings.concurrency - self._inflight, self.settings.claim_batch)
+            if self._stop_claiming.is_set():
+                self._claiming = False
+                break
+            self._drain_incoming()
+            batch: list[str] = []
+            seen: set[str] = set()
+            while self._backlog and len(batch) < room:
+                key = self._backlog.popleft()
+                if key not in seen:
+                    seen.add(key)
+                    batch.append(key)
+            try:
+                self._claim_batch(batch)
+                backoff_s = self.settings.reconnect_initial_s
+            except (StoreError, redis.RedisError) as exc:
+                self.stats.store_errors += 1
+                self._backlog.extendleft(reversed(batch))
+                logger.error(
+                    "claiming {} task(s) failed: {}; retrying in {:.1f} s",
+                    len(batch),
+                    exc,
+                    backoff_s,
+                )
+                self._stop_claiming.wait(backoff_s)
+                backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
+            finally:
+                self._claiming = False
+
+    def _drain_incoming(self) -> None:
+        limit = self.settings.claim_batch * 4
+        while len(self._backlog) < limit:
+            try:
+                self._backlog.append(self._incoming.get_nowait())
+            except queue.Empty:
+                return
+
+    def _claim_batch(self, keys: list[str]) -> None:
+        specs: dict[str, TaskSpec] = {}
+        for key in keys:
+            spec = self._spec_for_key(key)
+            if spec is not None:
+                specs[key] = spec
+        if not specs:
+            return
+        now_ms = self.clock.now_ms()
+        timeout_s = max(self._timeout_s(s) for s in specs.values())
+        lease_until_ms = now_ms + int((timeout_s + self.settings.lease_grace_s) * 1000)
+        token = f"{self.owner}:{next(self._seq)}"
+        rows = self.store.claim(
+            list(specs), now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
+        )
+        self.stats.claimed += len(rows)
+        with self._cond:
+            self._inflight += len(rows)
+        for row in rows:
+            spec = specs[row.key]
+            self._runq.put(_Run(row, token, spec, self._timeout_s(spec)))
+        claimed = {r.key for r in rows}
+        unclaimed = [k for k in specs if k not in claimed]
+        if unclaimed:
+            self.stats.not_claimed += len(unclaimed)
+            self._check_unclaimed(unclaimed)
+
+    def _spec_for_key(self, key: str) -> TaskSpec | None:
+        try:
+            parsed = parse_key(key, prefix=self.settings.key_prefix)
+            return self.registry.resolve(parsed.class_name, parsed.method)
+        except UnknownTaskError as exc:
+            label = key.split("@", 2)[0] + "@" + key.split("@", 2)[1] if "@" in key else key
+            if label not in self._warned_unknown:
+                self._warned_unknown.add(label)
+                logger.bind(key=key, attempt=0).warning(
+                    "{}; left pending for a listener that has it", exc
+                )
+            return None
+        except KeyExpiryError as exc:
+            logger.bind(key=key[:200], attempt=0).warning("ignored key: {}", exc)
+            return None
+
+    def _check_unclaimed(self, keys: list[str]) -> None:
+        """Explain keys that were not claimed, and re-arm a pending task whose key is gone."""
+        rows = self.store.get_many(keys)
+        now_ms = self.clock.now_ms()
+        rearm: list[TaskRow] = []
+        for key in keys:
+            row = rows.get(key)
+            log = logger.bind(key=key, attempt=row.attempts if row else 0)
+            if row is None:
+                log.info("no ledger row for this key; ignored")
+            elif row.status is TaskStatus.PENDING and row.due_at_ms > now_ms:
+                # A stale event (task rescheduled) or this host's clock a hair behind Redis's.
+                rearm.append(row)
+            else:
+                log.debug("not claimed: task is {}", row.status)
+        if rearm:
+            existing = self.redis.pipeline(transaction=False)
+            for row in rearm:
+                existing.exists(row.key)
+            present = existing.execute()
+            pipe = self.redis.pipeline(transaction=False)
+            missing = [r for r, p in zip(rearm, present, strict=True) if not p]
+            for row in missing:
+                arm(pipe, row.key, row.due_at_ms, self.clock.now_ms())
+            if missing:
+                pipe.execute()
+
+    def _timeout_s(self, spec: TaskSpec) -> float:
+        return spec.options.timeout_s or self.settings.handler_timeout_s
+
+    # --- workers ------------------------------------------------------------------------------
+    def _worker_loop(self) -> None:
+        while True:
+            run = self._runq.get()
+            if run is None:
+                return
+            if self._execute(run):
+                return  # timed out: the watchdog started a replacement; this thread retires
+
+    def _execute(self, run: _Run) -> bool:
+        row = run.row
+        log = logger.bind(key=row.key, attempt=row.attempts)
+        with self._cond:
+            run.started_s = monotonic_s()
+            self._running[row.id] = run
+        outcome: Outcome
+        try:
+            args = run.spec.decode_args(row.args)
+        except KeyExpiryError as exc:
+            outcome = self._outcome(run, TaskStatus.DEAD, f"not runnable: {exc}")
+            log.error("not runnable: {}", exc)
+        else:
+            set_current(TaskContext(row.key, row.attempts, row.due_at_ms, self.store.engine))
+            try:
+                # Every line the handler logs carries its key and attempt too.
+                with logger.contextualize(key=row.key, attempt=row.attempts):
+                    run.spec.bind()(*args)
+            except DoNotRetry as exc:
+                outcome = self._outcome(run, TaskStatus.DEAD, f"DoNotRetry: {exc}")
+                log.warning("failed, not retrying: {}", exc)
+            except Retry as exc:
+                outcome = self._failure(run, f"Retry: {exc}", delay_s=exc.delay_s)
+            except Exception as exc:
+                text = "".join(traceback.format_exception(exc))[-_ERROR_MAX_CHARS:]
+                outcome = self._failure(run, text)
+                log.opt(exception=exc).warning("handler raised {}: {}", type(exc).__name__, exc)
+            else:
+                outcome = self._outcome(run, TaskStatus.DONE, None)
+                assert outcome.finished_at_ms is not None
+                log.info(
+                    "done in {} ms, started {} ms after due",
+                    outcome.finished_at_ms - (row.started_at_ms or outcome.finished_at_ms),
+                    (row.started_at_ms or 0) - row.due_at_ms,
+                )
+            finally:
+                set_current(None)
+        with self._cond:
+            if run.abandoned:
+                return True
+            self._running.pop(row.id, None)
+            self._inflight -= 1
+            self._outcomes.append(outcome)
+            self._cond.notify_all()
+        return False
+
+    def _outcome(self, run: _Run, status: TaskStatus, error: str | None) -> Outcome:
+        now_ms = self.clock.now_ms()
+        return Outcome(
+            task_id=run.row.id,
+            key=run.row.key,
+            token=run.token,
+            status=status,
+            finished_at_ms=now_ms,
+            due_at_ms=run.row.due_at_ms,
+            last_error=error,
+        )
+
+    def _failure(self, run: _Run, error: str, *, delay_s: float | None = None) -> Outcome:
+        row = run.row
+        schedule = (
+            row.retry_schedule_s
+            or run.spec.options.retry_schedule_s
+            or self.settings.retry_schedule_s
+        )
+        retries_used = row.attempts - 1
+        log = logger.bind(key=row.key, attempt=row.attempts)
+        if retries_used >= len(schedule):
+            log.error("out of attempts ({}); task is dead", row.attempts)
+            return self._outcome(run, TaskStatus.DEAD, error)
+        delay = schedule[retries_used] if delay_s is None else delay_s
+        due = self.clock.now_ms() + int(delay * 1000)
+        log.info("will retry in {:g} s", delay)
+        return Outcome(row.id, row.key, run.token, TaskStatus.PENDING, None, due, error)
+
+    # --- watchdog -----------------------------------------------------------------------------
+    def _watchdog_loop(self) -> None:
+        while not self._stopped.is_set():
+            now = monotonic_s()
+            late: list[_Run] = []
+            next_deadline = now + 0.5
+            with self._cond:
+                for run in self._running.values():
+                    assert run.started_s is not None
+                    deadline = run.started_s + run.timeout_s
+                    if deadline <= now:
+                        late.append(run)
+                    else:
+                        next_deadline = min(next_deadline, deadline)
+                for run in late:
+                    run.abandoned = True
+                    self._running.pop(run.row.id, None)
+                    self._inflight -= 1
+                    self.stats.timed_out += 1
+                    self._outcomes.append(
+                        self._failure(run, f"TimeoutError: handler exceeded {run.timeout_s:g} s")
+                    )
+                if late:
+                    self._cond.notify_all()
+            for run in late:
+                logger.bind(key=run.row.key, attempt=run.row.attempts).error(
+                    "handler exceeded its timeout of {:g} s; recorded as failed "
+                    "(its thread is abandoned)",
+                    run.timeout_s,
+                )
+                self._spawn("worker", self._worker_loop)
+            self._stopped.wait(max(0.005, min(next_deadline - monotonic_s(), 0.5)))
+
+    # --- recorder -----------------------------------------------------------------------------
+    def _record_loop(self) -> None:
+        while not self._stopped.is_set():
+            with self._cond:
+                if not self._outcomes:
+                    self._cond.wait(0.05)
+            self._flush_outcomes(deadline=None)
+
+    def _flush_outcomes(self, deadline: float | None) -> None:
+        backoff_s = self.settings.reconnect_initial_s
+        while True:
+            with self._cond:
+                batch, self._outcomes = self._outcomes, []
+                self._recording += len(batch)
+            if not batch:
+                return
+            try:
+                self.store.record(batch, self.clock.now_ms())
+            except (StoreError, redis.RedisError) as exc:
+                self.stats.store_errors += 1
+                with self._cond:
+                    self._outcomes[:0] = batch
+                    self._recording -= len(batch)
+                if deadline is not None and monotonic_s() > deadline:
+                    logger.error(
+                        "could not record {} outcome(s) before shutdown: {}; their "
+                        "leases will expire and they will run again",
+                        len(batch),
+                        exc,
+                    )
+                    return
+                logger.error(
+                    "recording {} outcome(s) failed: {}; retrying in {:.1f} s",
+                    len(batch),
+                    exc,
+                    backoff_s,
+                )
+                time.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
+                continue
+            self._after_record(batch)
+            with self._cond:
+                self._recording -= len(batch)
+                self._cond.notify_all()
+
+    def _after_record(self, batch: list[Outcome]) -> None:
+        retries = [o for o in batch if o.status is TaskStatus.PENDING]
+        for o in batch:
+            log = logger.bind(key=o.key, attempt=0)
+            if o.status is TaskStatus.DONE:
+                self.stats.done += 1
+                self.stats.by_key[o.key] += 1
+                log.debug("done")
+            elif o.status is TaskStatus.DEAD:
+                self.stats.dead += 1
+                self.stats.by_key[o.key] += 1
+            else:
+                self.stats.retried += 1
+        if retries:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                now_ms = self.clock.now_ms()
+                for o in retries:
+                    arm(pipe, o.key, o.due_at_ms, now_ms)
+                pipe.execute()
+            except redis.RedisError as exc:
+                logger.warning(
+                    "could not re-arm {} retry key(s): {}; reconciliation will", len(retries), exc
+                )
+
+    # --- shutdown -----------------------------------------------------------------------------
+    def _release(self, runs: list[_Run]) -> None:
+        if not runs:
+            return
+        by_token: dict[str, list[_Run]] = collections.defaultdict(list)
+        for run in runs:
+            by_token[run.token].append(run)
+        now_ms = self.clock.now_ms()
+        try:
+            for token, group in by_token.items():
+                self.store.release([r.row.id for r in group], token, now_ms)
+            pipe = self.redis.pipeline(transaction=False)
+            for run in runs:
+                arm(pipe, run.row.key, run.row.due_at_ms, now_ms)
+            pipe.execute()
+        except (StoreError, redis.RedisError) as exc:
+            logger.warning(
+                "could not release {} unstarted claim(s): {}; their leases will "
+                "expire and reconciliation will run them",
+                len(runs),
+                exc,
+            )
+        with self._cond:
+            self._inflight -= len(runs)
+        logger.info("released {} claimed task(s) that had not started", len(runs))
+
+    def _spawn(self, name: str, target: object) -> None:
+        thread = threading.Thread(target=target, name=f"keyexpiry-{name}", daemon=True)  # type: ignore[arg-type]
+        thread.start()
+        self._threads.append(thread)

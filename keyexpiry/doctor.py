@@ -1,0 +1,98 @@
+"""`keyexpiry doctor`: is this Redis and this database fit to run delayed tasks?"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis
+from sqlalchemy import text
+
+from keyexpiry.errors import KeyExpiryError, RedisConfigError
+from keyexpiry.listener import check_notifications, config_value
+from keyexpiry.store import Store
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding: `status` is ok, warn or fail."""
+
+    name: str
+    status: str
+    detail: str
+
+
+def run_checks(client: redis.Redis, store: Store, *, fix: bool = False) -> list[Check]:
+    """Check Redis and the ledger; with `fix`, turn keyspace notifications on if CONFIG allows."""
+    checks: list[Check] = []
+    try:
+        info = client.info("server")
+        checks.append(Check("redis", "ok", f"reachable, version {info.get('redis_version')}"))
+    except redis.RedisError as exc:
+        checks.append(Check("redis", "fail", f"not reachable: {exc}"))
+        info = None
+    if info is not None:
+        try:
+            warning = check_notifications(client, configure=fix)
+            flags = config_value(client, "notify-keyspace-events")
+            if warning:
+                checks.append(Check("notifications", "warn", warning))
+            else:
+                checks.append(Check("notifications", "ok", f"notify-keyspace-events={flags!r}"))
+        except RedisConfigError as exc:
+            checks.append(Check("notifications", "fail", str(exc)))
+        policy = config_value(client, "maxmemory-policy")
+        if policy is None:
+            checks.append(
+                Check("eviction", "warn", "cannot read maxmemory-policy (CONFIG blocked)")
+            )
+        elif policy == "noeviction":
+            checks.append(Check("eviction", "ok", "maxmemory-policy=noeviction"))
+        else:
+            checks.append(
+                Check(
+                    "eviction",
+                    "warn",
+                    f"maxmemory-policy={policy}: task keys may be evicted (announced as "
+                    "`evicted`, not `expired`); reconciliation recovers them, late. "
+                    "Prefer noeviction",
+                )
+            )
+    try:
+        present = store.table_exists()
+        checks.append(Check("database", "ok", "reachable"))
+        checks.append(
+            Check(
+                "table",
+                "ok" if present else "fail",
+                "time_limit_task present" if present else "missing: run `keyexpiry init-db`",
+            )
+        )
+    except KeyExpiryError as exc:
+        checks.append(Check("database", "fail", str(exc)))
+    checks.append(_clock_check(client, store))
+    return checks
+
+
+def _clock_check(client: redis.Redis, store: Store) -> Check:
+    host_ms = time.time() * 1000
+    parts = []
+    try:
+        seconds, micros = client.time()
+        parts.append(f"redis {seconds * 1000 + micros / 1000 - host_ms:+.0f} ms")
+    except redis.RedisError:
+        return Check("clock", "warn", "cannot read Redis TIME")
+    if store.engine.dialect.name != "sqlite":
+        try:
+            with store.engine.connect() as conn:
+                db_s = conn.execute(text("SELECT UNIX_TIMESTAMP(NOW(3))")).scalar_one()
+            parts.append(f"database {float(db_s) * 1000 - host_ms:+.0f} ms")
+        except Exception as exc:
+            parts.append(f"database unknown ({type(exc).__name__})")
+    return Check(
+        "clock",
+        "ok",
+        "offset from this host: "
+        + ", ".join(parts)
+        + " (due times use Redis's clock, so host skew does not move them)",
+    )

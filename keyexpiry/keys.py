@@ -1,0 +1,124 @@
+"""Task keys (`Class@method@arg1@arg2`) and every other Redis name keyexpiry uses.
+
+Arguments are percent-escaped so `@`, `%`, spaces, control characters and non-ASCII text round-trip
+exactly; the escaped key is pure printable ASCII, which keeps it readable in `redis-cli` and
+lets the ledger index it with a binary (case-sensitive) ASCII collation.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import quote, unquote_to_bytes
+
+from keyexpiry.errors import KeyFormatError
+
+SEPARATOR = "@"
+MAX_KEY_BYTES = 512
+"""Longest task key accepted, prefix included; the ledger's unique index is sized for it."""
+
+# Printable ASCII that needs no escaping; `@` separates, `%` escapes, space would confuse shells.
+_SAFE = "!$&'()*+,-./:;<=>?[]^_`{|}~#"
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
+_ESCAPED = re.compile(r"(?:[A-Za-z0-9!$&'()*+,\-./:;<=>?\[\]^_`{|}~#]|%[0-9A-F]{2})*\Z")
+
+SENTINEL_MARK = "#keyexpiry#sentinel#"
+"""Sentinel keys are `{prefix}#keyexpiry#sentinel#{n}`: `#` cannot start a task class name."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskKey:
+    """A parsed task key: class name, method name and the decoded argument strings."""
+
+    class_name: str
+    method: str
+    args: tuple[str, ...]
+
+    def format(self, prefix: str = "") -> str:
+        """The Redis key for this task under `prefix`."""
+        return format_key(self.class_name, self.method, self.args, prefix=prefix)
+
+
+def check_name(name: str, what: str) -> str:
+    """Return `name` if it is a plain public identifier (no leading `_`, no dots), else raise."""
+    if not _NAME.match(name):
+        raise KeyFormatError(
+            f"{what} {name!r} is not allowed: use letters, digits and _ , starting with a letter"
+        )
+    return name
+
+
+def escape_arg(arg: str) -> str:
+    """Percent-escape one argument for use inside a key."""
+    return quote(arg, safe=_SAFE, encoding="utf-8", errors="strict")
+
+
+def unescape_arg(segment: str) -> str:
+    """Decode one escaped key segment strictly: bad escapes or bad UTF-8 raise KeyFormatError."""
+    if not _ESCAPED.match(segment):
+        raise KeyFormatError(f"argument segment {segment[:80]!r} has characters keys never contain")
+    try:
+        return unquote_to_bytes(segment).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KeyFormatError("argument segment is not valid UTF-8 once unescaped") from exc
+
+
+def format_key(
+    class_name: str, method: str, args: tuple[str, ...] | list[str], *, prefix: str = ""
+) -> str:
+    """Build `{prefix}Class@method@arg…`, refusing bad names and keys over MAX_KEY_BYTES."""
+    check_name(class_name, "class name")
+    check_name(method, "method name")
+    parts = [class_name, method, *(escape_arg(a) for a in args)]
+    key = prefix + SEPARATOR.join(parts)
+    size = len(key.encode("utf-8"))
+    if size > MAX_KEY_BYTES:
+        raise KeyFormatError(
+            f"task key would be {size} bytes; the limit is {MAX_KEY_BYTES} (shorten the arguments, "
+            "or keep large data in your own table and pass its id)"
+        )
+    return key
+
+
+def parse_key(key: str, *, prefix: str = "") -> TaskKey:
+    """Parse a Redis key into a TaskKey; KeyFormatError if it is not a well-formed task key."""
+    if not key.startswith(prefix):
+        raise KeyFormatError(f"key does not start with the prefix {prefix!r}")
+    if len(key.encode("utf-8")) > MAX_KEY_BYTES:
+        raise KeyFormatError(f"key is longer than {MAX_KEY_BYTES} bytes")
+    parts = key[len(prefix) :].split(SEPARATOR)
+    if len(parts) < 2:
+        raise KeyFormatError("key has no '@' between class and method")
+    class_name = check_name(parts[0], "class name")
+    method = check_name(parts[1], "method name")
+    args = tuple(unescape_arg(p) for p in parts[2:])
+    parsed = TaskKey(class_name, method, args)
+    # One task, one key: a key spelled differently for the same arguments is not ours.
+    if parsed.format(prefix) != key:
+        raise KeyFormatError("key is not in canonical form (escaping differs)")
+    return parsed
+
+
+def is_ours(key: str, prefix: str) -> bool:
+    """Cheap test used on every event: could this key be a task key or sentinel of ours?"""
+    return key.startswith(prefix)
+
+
+def sentinel_key(index: int, prefix: str = "") -> str:
+    """Name of loss-control sentinel number `index` (1-based)."""
+    return f"{prefix}{SENTINEL_MARK}{index}"
+
+
+def is_sentinel(key: str, prefix: str = "") -> bool:
+    """Whether `key` is one of our loss-control sentinels."""
+    return key.startswith(prefix + SENTINEL_MARK)
+
+
+def expired_channel(db: int) -> str:
+    """The keyevent channel on which Redis announces expired keys of database `db`."""
+    return f"__keyevent@{db}__:expired"
+
+
+def evicted_channel(db: int) -> str:
+    """The keyevent channel on which Redis announces keys evicted from database `db`."""
+    return f"__keyevent@{db}__:evicted"

@@ -1,0 +1,367 @@
+"""The long-running subscriber: expired events in, dispatched tasks out, forever.
+
+The loop is trivial and the work is in `step()`, so tests can drive one step at a time. Anything a
+Redis key says is checked before it reaches the dispatcher: bytes are decoded per message, keys not
+under our prefix are ignored, malformed keys are logged once and dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import uuid
+from types import FrameType
+from typing import Any
+
+import redis
+from loguru import logger
+
+from keyexpiry.clock import RedisClock, monotonic_s
+from keyexpiry.connections import open_store, redis_client, redis_db, resolve_redis_url
+from keyexpiry.dispatch import Dispatcher
+from keyexpiry.errors import KeyExpiryError, RedisConfigError, StoreError
+from keyexpiry.keys import expired_channel, is_ours, is_sentinel, parse_key, sentinel_key
+from keyexpiry.reconcile import Reconciler
+from keyexpiry.registry import Registry, default_registry
+from keyexpiry.settings import Settings, mask_url
+from keyexpiry.store import Store
+
+_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_MAX_MESSAGES_PER_STEP = 5000
+
+
+def config_value(client: redis.Redis, name: str) -> str | None:
+    """A server setting read with CONFIG GET; None when CONFIG is blocked (managed Redis)."""
+    try:
+        values: dict[Any, Any] = client.config_get(name)
+    except redis.ResponseError:
+        return None
+    for k, v in values.items():
+        if (k.decode() if isinstance(k, bytes) else k) == name:
+            return v.decode() if isinstance(v, bytes) else str(v)
+    return ""
+
+
+def check_notifications(client: redis.Redis, *, configure: bool) -> str | None:
+    """Make sure Redis announces expired keys; return a warning if that cannot be verified.
+
+    Raises RedisConfigError when notifications are off (and `configure` is false) or when the
+    server is a replica (replicas announce `del`, not `expired`).
+    """
+    try:
+        role = client.execute_command("ROLE")[0]  # type: ignore[no-untyped-call]
+        if role in (b"slave", "slave", b"replica", "replica"):
+            raise RedisConfigError(
+                "Redis is a replica: replicas never announce expired keys; point keyexpiry at "
+                "the master"
+            )
+    except redis.ResponseError:
+        pass  # ROLE blocked by ACL: nothing to learn
+    text = config_value(client, "notify-keyspace-events")
+    if text is None:
+        return (
+            "cannot read CONFIG (blocked, as on managed Redis); make sure the server's "
+            "notify-keyspace-events includes E and x (e.g. 'Ex'), set in its parameter group"
+        )
+    has_x = "x" in text or "A" in text
+    if "E" in text and has_x:
+        return None
+    if not configure:
+        raise RedisConfigError(
+            f"Redis keyspace notifications are {text!r}, which lacks E and/or x: expired events "
+            "would never arrive. Run `keyexpiry doctor --fix`, pass --configure-redis, or set "
+            "notify-keyspace-events Ex in redis.conf"
+        )
+    wanted = text + ("" if "E" in text else "E") + ("" if has_x else "x")
+    client.config_set("notify-keyspace-events", wanted)
+    logger.warning("set notify-keyspace-events to {!r} (was {!r})", wanted, text)
+    return None
+
+
+class Listener:
+    """Subscribes to expired events and runs the tasks they name, once per claim.
+
+    Reconnects with capped exponential backoff and reconciles after every gap; never exits on a
+    Redis or database outage. `stop()` (or SIGTERM/SIGINT) ends `run()` gracefully.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry | None = None,
+        *,
+        store: Store | None = None,
+        owner: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry or default_registry
+        self.store = store or open_store(settings)
+        self.redis_url = resolve_redis_url(settings)
+        self.redis = redis_client(self.redis_url, settings)
+        self._sub_client = redis_client(self.redis_url, settings, pubsub=True)
+        self.db = redis_db(self.redis)
+        self.channel = expired_channel(self.db)
+        self.clock = RedisClock(self.redis)
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.dispatcher = Dispatcher(
+            store=self.store,
+            redis_client=self.redis,
+            clock=self.clock,
+            registry=self.registry,
+            settings=settings,
+            owner=self.owner,
+        )
+        self.reconciler = Reconciler(
+            store=self.store,
+            redis_client=self.redis,
+            clock=self.clock,
+            settings=settings,
+            registry=self.registry,
+            submit=self.dispatcher.submit,
+        )
+        self.subscribed = threading.Event()
+        self.reconciles_done = 0
+        self.gaps = 0
+        self.events = 0
+        self.ignored = 0
+        self._stop = threading.Event()
+        self._gap = threading.Event()
+        self._reconcile_wanted = threading.Event()
+        self._reconcile_idle = threading.Event()
+        self._pubsub: Any = None
+        self._connected_once = False
+
+    # --- public -------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Listen until `stop()`; then shut down gracefully."""
+        restore = self._install_signal_handlers()
+        logger.info(
+            "listener {} starting: redis {}, ledger {}, {} task method(s), concurrency {}",
+            self.owner,
+            mask_url(self.redis_url),
+            mask_url(self.store.engine.url.render_as_string(hide_password=True)),
+            len(self.registry.specs()),
+            self.settings.concurrency,
+        )
+        self.dispatcher.start()
+        reconcile_thread = threading.Thread(
+            target=self._reconcile_loop, name="keyexpiry-reconcile", daemon=True
+        )
+        reconcile_thread.start()
+        try:
+            self._serve()
+        finally:
+            self.subscribed.clear()
+            logger.info(
+                "listener stopping: finishing running handlers (up to {:g} s)",
+                self.settings.shutdown_timeout_s,
+            )
+            self.dispatcher.stop(self.settings.shutdown_timeout_s)
+            self._close_pubsub()
+            self._reconcile_wanted.set()
+            reconcile_thread.join(timeout=5)
+            self.redis.close()
+            self._sub_client.close()
+            self.store.engine.dispose()
+            restore()
+            logger.info("listener stopped")
+
+    def stop(self) -> None:
+        """Ask `run()` to finish (safe from any thread or a signal handler)."""
+        self._stop.set()
+        self._reconcile_wanted.set()
+
+    def request_reconcile(self, reason: str) -> None:
+        """Run a reconciliation soon on the reconcile thread (coalesced)."""
+        logger.debug("reconciliation requested: {}", reason)
+        self._reconcile_idle.clear()
+        self._reconcile_wanted.set()
+
+    def wait_reconciled(self, timeout_s: float) -> bool:
+        """Wait until no reconciliation is requested or running (a test sync point)."""
+        return self._reconcile_idle.wait(timeout_s)
+
+    def step(self, timeout_s: float) -> int:
+        """Handle the events that arrive within `timeout_s`; return how many were read."""
+        if self._gap.is_set():
+            self._gap.clear()
+            self.gaps += 1
+            logger.warning(
+                "subscription was re-established after a dropped connection; "
+                "reconciling what may have expired in the gap"
+            )
+            self.request_reconcile("reconnect")
+        pubsub = self._pubsub
+        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
+        count = 0
+        while msg is not None and count < _MAX_MESSAGES_PER_STEP:
+            count += 1
+            if msg.get("type") == "message":
+                self.handle_key(msg["data"])
+            msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+        return count
+
+    def handle_key(self, raw: bytes | str) -> None:
+        """Route one expired key: sentinel → reconcile; task key → dispatcher; else ignore."""
+        self.events += 1
+        try:
+            key = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError:
+            self.ignored += 1
+            logger.bind(key=repr(raw[:80]), attempt=0).warning("ignored key: not valid UTF-8")
+            return
+        prefix = self.settings.key_prefix
+        if not is_ours(key, prefix):
+            return
+        if is_sentinel(key, prefix):
+            logger.info("sentinel {} fired: reconciling", key)
+            self.request_reconcile("sentinel")
+            return
+        try:
+            parse_key(key, prefix=prefix)
+        except KeyExpiryError as exc:
+            self.ignored += 1
+            logger.bind(key=key[:200], attempt=0).warning("ignored key: {}", exc)
+            return
+        self.dispatcher.submit([key])
+
+    # --- connection ---------------------------------------------------------------------------
+    def _serve(self) -> None:
+        backoff_s = self.settings.reconnect_initial_s
+        while not self._stop.is_set():
+            try:
+                self._connect()
+                backoff_s = self.settings.reconnect_initial_s
+                while not self._stop.is_set():
+                    self.step(timeout_s=0.2)
+            except _CONNECTION_ERRORS as exc:
+                self.subscribed.clear()
+                self._close_pubsub()
+                if self._stop.is_set():
+                    break
+                self.gaps += 1
+                logger.error("Redis connection lost ({}); retrying in {:.1f} s", exc, backoff_s)
+                self._stop.wait(backoff_s)
+                backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
+            except RedisConfigError:
+                if not self._connected_once:
+                    raise
+                logger.exception("Redis configuration problem; retrying")
+                self._pause(backoff_s)
+                backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
+            except Exception:
+                # A bug or an unexpected reply must not end the listener: log it, start over.
+                logger.exception("unexpected error in the listener loop; reconnecting")
+                self._pause(backoff_s)
+                backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
+
+    def _pause(self, seconds: float) -> None:
+        self.subscribed.clear()
+        self._close_pubsub()
+        self._stop.wait(seconds)
+
+    def _connect(self) -> None:
+        warning = check_notifications(self.redis, configure=self.settings.configure_redis)
+        if warning:
+            logger.warning(warning)
+        self.clock.sync()
+        pubsub = self._sub_client.pubsub()  # type: ignore[no-untyped-call]
+        self._pubsub = pubsub
+        pubsub.subscribe(self.channel)
+        deadline = monotonic_s() + 10
+        while monotonic_s() < deadline:
+            msg = pubsub.get_message(timeout=0.5)
+            if msg is not None and msg.get("type") == "subscribe":
+                break
+        else:
+            raise redis.TimeoutError("no subscribe confirmation within 10 s")
+        # redis-py silently reconnects and re-subscribes a dropped pubsub connection; this
+        # callback is how we learn of that gap.
+        pubsub.connection.register_connect_callback(self._on_reconnect)
+        self.subscribed.set()
+        self._arm_sentinels(fresh=False)
+        reason = "reconnect" if self._connected_once else "start-up"
+        self._connected_once = True
+        logger.info("subscribed to {} ({})", self.channel, reason)
+        self.request_reconcile(reason)
+
+    def _on_reconnect(self, _connection: object) -> None:
+        self._gap.set()
+
+    def _close_pubsub(self) -> None:
+        if self._pubsub is not None:
+            try:
+                self._pubsub.close()
+            except Exception:
+                pass
+            self._pubsub = None
+
+    # --- loss control -------------------------------------------------------------------------
+    def _arm_sentinels(self, *, fresh: bool) -> None:
+        count = self.settings.sentinel_count
+        if count == 0:
+            return
+        interval_ms = int(self.settings.sentinel_interval_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        for i in range(1, count + 1):
+            key = sentinel_key(i, self.settings.key_prefix)
+            pipe.set(key, b"", px=i * interval_ms, nx=not fresh)
+        pipe.execute()
+
+    def _regenerate_sentinels_if_needed(self) -> None:
+        count = self.settings.sentinel_count
+        if count == 0:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for i in range(1, count + 1):
+            pipe.exists(sentinel_key(i, self.settings.key_prefix))
+        fired = sum(1 for present in pipe.execute() if not present)
+        if fired * 2 > count:
+            logger.info("{} of {} sentinels fired: setting a fresh batch", fired, count)
+            self._arm_sentinels(fresh=True)
+
+    def _reconcile_loop(self) -> None:
+        backoff_s = self.settings.reconnect_initial_s
+        while not self._stop.is_set():
+            if not self._reconcile_wanted.wait(1.0):
+                self._reconcile_idle.set()
+                continue
+            if self._stop.is_set():
+                break
+            self._reconcile_wanted.clear()
+            try:
+                report = self.reconciler.run()
+                self._regenerate_sentinels_if_needed()
+                backoff_s = self.settings.reconnect_initial_s
+            except Exception as exc:
+                if isinstance(exc, StoreError | redis.RedisError | OSError):
+                    logger.error("reconciliation failed ({}); retrying in {:.1f} s", exc, backoff_s)
+                else:
+                    logger.exception("reconciliation failed; retrying in {:.1f} s", backoff_s)
+                self._stop.wait(backoff_s)
+                backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
+                self._reconcile_wanted.set()
+                continue
+            self.reconciles_done += 1
+            if report.overdue or report.rearmed or report.lease_expired:
+                logger.info("reconciliation: {}", report)
+            if not self._reconcile_wanted.is_set():
+                self._reconcile_idle.set()
+
+    def _install_signal_handlers(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            logger.info("received {}: stopping", signal.Signals(signum).name)
+            self.stop()
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore() -> None:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+        return restore

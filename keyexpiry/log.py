@@ -1,0 +1,33 @@
+"""Loguru set up once, at the entry point; library modules only call `logger`."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from loguru import logger
+
+
+def _format(record: Any) -> str:
+    extra = record["extra"]
+    task = ""
+    if "key" in extra:
+        task = " [{extra[key]} #{extra[attempt]}]"
+    return (
+        "<green>{time:YYYY-MM-DD HH:mm:ss.SSS}</green> <level>{level: <7}</level>"
+        + task
+        + " {message}\n{exception}"
+    )
+
+
+def configure_logging(level: str = "INFO", *, colorize: bool | None = None) -> None:
+    """Send keyexpiry's log to stderr at `level`; every task line shows its key and attempt."""
+    logger.remove()
+    logger.add(
+        sys.stderr,
+        level=level.upper(),
+        format=_format,
+        colorize=colorize,
+        backtrace=False,
+        diagnose=False,
+    )  # diagnose would print local variables: passwords

@@ -1,0 +1,141 @@
+"""Repair between the ledger and Redis: run what was missed, re-arm what Redis lost.
+
+Runs at listener start-up, after every reconnect, on each sentinel expiry, and on demand
+(`keyexpiry reconcile`). The ledger is the truth; Redis keys are derived from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+from loguru import logger
+
+from keyexpiry.clock import Clock
+from keyexpiry.registry import Registry
+from keyexpiry.scheduler import arm
+from keyexpiry.settings import Settings
+from keyexpiry.store import Store, TaskRow, TaskStatus
+
+PAGE_ROWS = 1000
+# A key whose remaining TTL differs from the ledger by more than this was changed by someone else.
+TTL_TOLERANCE_MS = 1000
+
+
+@dataclass
+class ReconcileReport:
+    """What one reconciliation found and did."""
+
+    checked: int = 0
+    overdue: int = 0
+    rearmed: int = 0
+    lease_expired: int = 0
+    dead: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"checked {self.checked} pending, {self.overdue} overdue, {self.rearmed} key(s) "
+            f"re-armed, {self.lease_expired} expired lease(s) requeued, {self.dead} dead"
+        )
+
+
+class Reconciler:
+    """Compares pending ledger rows with Redis keys and repairs the difference.
+
+    `submit`, when given (inside a listener), receives overdue keys to claim directly; without it
+    (the CLI) overdue keys are re-armed so they expire at once and a listener runs them.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        redis_client: redis.Redis,
+        clock: Clock,
+        settings: Settings,
+        registry: Registry | None = None,
+        submit: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.redis = redis_client
+        self.clock = clock
+        self.settings = settings
+        self.registry = registry
+        self.submit = submit
+
+    def run(
+        self, *, dry_run: bool = False, progress: Callable[[int, int], None] | None = None
+    ) -> ReconcileReport:
+        """One full pass; `progress(done, total)` is called after each page."""
+        report = ReconcileReport()
+        self._requeue_expired_leases(report, dry_run)
+        total = self.store.count_pending()
+        after_id = 0
+        while True:
+            page = self.store.pending_page(after_id=after_id, limit=PAGE_ROWS)
+            if not page:
+                break
+            after_id = page[-1].id
+            self._repair_page(page, report, dry_run)
+            report.checked += len(page)
+            if progress is not None:
+                progress(report.checked, max(total, report.checked))
+        return report
+
+    def _max_attempts(self, row: TaskRow) -> int:
+        schedule = row.retry_schedule_s
+        if schedule is None and self.registry is not None:
+            try:
+                schedule = self.registry.resolve(
+                    row.class_name, row.method
+                ).options.retry_schedule_s
+            except Exception:
+                schedule = None
+        return 1 + len(schedule if schedule is not None else self.settings.retry_schedule_s)
+
+    def _requeue_expired_leases(self, report: ReconcileReport, dry_run: bool) -> None:
+        now_ms = self.clock.now_ms()
+        for row in self.store.expired_leases(now_ms):
+            log = logger.bind(key=row.key, attempt=row.attempts)
+            report.lease_expired += 1
+            if dry_run:
+                continue
+            error = f"lease expired: listener {row.claimed_by} stopped before recording an outcome"
+            if row.attempts >= self._max_attempts(row):
+                if self.store.requeue_lost(row, status=TaskStatus.DEAD, error=error, now_ms=now_ms):
+                    report.dead += 1
+                    log.error("{}; out of attempts, task is dead", error)
+                continue
+            if self.store.requeue_lost(row, status=TaskStatus.PENDING, error=error, now_ms=now_ms):
+                log.warning("{}; running it again", error)
+
+    def _repair_page(self, page: list[TaskRow], report: ReconcileReport, dry_run: bool) -> None:
+        now_ms = self.clock.now_ms()
+        overdue = [r for r in page if r.due_at_ms <= now_ms]
+        future = [r for r in page if r.due_at_ms > now_ms]
+        report.overdue += len(overdue)
+        to_arm: list[TaskRow] = []
+        if future:
+            pipe = self.redis.pipeline(transaction=False)
+            for row in future:
+                pipe.pttl(row.key)
+            for row, pttl in zip(future, pipe.execute(), strict=True):
+                want_ms = row.due_at_ms - now_ms
+                if pttl < 0 or abs(int(pttl) - want_ms) > TTL_TOLERANCE_MS:
+                    to_arm.append(row)
+        if overdue:
+            if self.submit is not None:
+                if not dry_run:
+                    self.submit([r.key for r in overdue])
+            else:
+                to_arm.extend(overdue)
+        report.rearmed += len(to_arm)
+        if dry_run or not to_arm:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for row in to_arm:
+            arm(pipe, row.key, row.due_at_ms, now_ms)
+        pipe.execute()
+        for row in to_arm:
+            logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")

@@ -1,0 +1,218 @@
+"""Creating, cancelling and inspecting tasks: the API business code calls."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from keyexpiry.clock import RedisClock
+from keyexpiry.connections import open_store, redis_client, resolve_redis_url
+from keyexpiry.errors import ArgumentError, RedisUnavailableError, UnknownTaskError
+from keyexpiry.keys import format_key
+from keyexpiry.registry import Registry, TaskSpec, default_registry
+from keyexpiry.settings import Settings
+from keyexpiry.store import NewTask, Store, TaskRow, TaskStatus
+
+Target = str | Callable[..., Any]
+"""A task method: the exposed function itself (`OrderTimeout.close_unpaid`) or `"Class.method"`."""
+
+
+def arm(pipe: Any, key: str, due_at_ms: int, now_ms: int) -> None:
+    """Queue the Redis writes that make `key` expire at `due_at_ms` (Redis clock) on `pipe`.
+
+    `SET … PXAT` expires the key at exactly the ledger's due time. A due time already past still
+    produces `expired` (never `del`, as an EXPIRE in the past would); the lookup forces Redis to
+    notice at once rather than at its next sweep.
+    """
+    pipe.set(key, b"", pxat=max(due_at_ms, 1))
+    if due_at_ms <= now_ms:
+        pipe.exists(key)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRequest:
+    """One task for `Client.create_many`: target, arguments and exactly one of the due fields."""
+
+    target: Target
+    args: Sequence[object] = ()
+    ttl_s: float | None = None
+    ttl_ms: int | None = None
+    at: dt.datetime | None = None
+    retry_schedule_s: Sequence[float] | None = None
+
+
+class Client:
+    """Business code's handle on keyexpiry: create, cancel and inspect delayed tasks.
+
+    >>> ke = Client(Settings.from_env())
+    >>> ke.create(OrderTimeout.close_unpaid, 218, ttl_s=900)
+    'OrderTimeout@close_unpaid@218'
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        registry: Registry | None = None,
+        store: Store | None = None,
+        ensure_schema: bool = True,
+    ) -> None:
+        self.settings = settings or Settings.from_env()
+        self.registry = registry or default_registry
+        self.store = store or open_store(self.settings)
+        if ensure_schema:
+            self.store.create_schema()
+        self.redis = redis_client(resolve_redis_url(self.settings), self.settings)
+        self.clock = RedisClock(self.redis)
+
+    def close(self) -> None:
+        """Release connections."""
+        self.redis.close()
+        self.store.engine.dispose()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- keys ---------------------------------------------------------------------------------
+    def spec(self, target: Target) -> TaskSpec:
+        """The registered task method `target` names."""
+        if callable(target):
+            return self.registry.spec_for(target)
+        class_name, sep, method = target.replace("@", ".").partition(".")
+        if not sep:
+            raise UnknownTaskError(f"{target!r}: name a task as 'Class.method'")
+        return self.registry.resolve(class_name, method)
+
+    def key_for(self, target: Target, *args: object) -> str:
+        """The Redis key of `target(*args)`; checks the arguments against the signature."""
+        spec = self.spec(target)
+        return format_key(
+            spec.class_name, spec.method, spec.encode_args(args), prefix=self.settings.key_prefix
+        )
+
+    # --- create -------------------------------------------------------------------------------
+    def create(
+        self,
+        target: Target,
+        *args: object,
+        ttl_s: float | None = None,
+        ttl_ms: int | None = None,
+        at: dt.datetime | None = None,
+        retry_schedule_s: Sequence[float] | None = None,
+    ) -> str:
+        """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
+
+        Creating a task whose key exists reschedules it (one row, one key). Returns the key.
+        """
+        return self.create_many([TaskRequest(target, args, ttl_s, ttl_ms, at, retry_schedule_s)])[0]
+
+    def create_many(self, requests: Iterable[TaskRequest]) -> list[str]:
+        """Schedule many tasks with one ledger transaction and one Redis pipeline.
+
+        All arguments are checked first: one bad request means nothing is written.
+        """
+        now_ms = self._now_ms()
+        new: dict[str, NewTask] = {}
+        for req in requests:
+            spec = self.spec(req.target)
+            encoded = spec.encode_args(req.args)
+            key = format_key(spec.class_name, spec.method, encoded, prefix=self.settings.key_prefix)
+            schedule = (
+                tuple(float(s) for s in req.retry_schedule_s) if req.retry_schedule_s else None
+            )
+            due = due_at_ms(now_ms, ttl_s=req.ttl_s, ttl_ms=req.ttl_ms, at=req.at)
+            new[key] = NewTask(key, spec.class_name, spec.method, encoded, due, schedule)
+        tasks = list(new.values())
+        # Row first: a row without a key is repaired by reconciliation; a key without a row
+        # would never run.
+        self.store.upsert_pending(tasks, now_ms)
+        self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
+        return [t.key for t in tasks]
+
+    # --- cancel / inspect ---------------------------------------------------------------------
+    def cancel(self, target: Target, *args: object) -> bool:
+        """Cancel a pending task; False if it was not pending (already running, done, or absent)."""
+        return bool(self.cancel_keys([self.key_for(target, *args)]))
+
+    def cancel_keys(self, keys: Sequence[str]) -> list[str]:
+        """Cancel those of `keys` that are pending; return the ones cancelled."""
+        cancelled = self.store.cancel(keys, self._now_ms())
+        if cancelled:
+            try:
+                # The ledger decided; a leftover key only makes an event that claims nothing.
+                self.redis.delete(*cancelled)
+            except redis.RedisError:
+                pass
+        return cancelled
+
+    def get(self, target: Target, *args: object) -> TaskRow | None:
+        """The ledger row of `target(*args)`, or None."""
+        return self.store.get(self.key_for(target, *args))
+
+    def ttl_ms(self, target: Target, *args: object) -> int | None:
+        """Milliseconds until the task's key expires; None if the key does not exist."""
+        try:
+            pttl = int(self.redis.pttl(self.key_for(target, *args)))
+        except redis.RedisError as exc:
+            raise RedisUnavailableError(f"Redis: {exc}") from None
+        return pttl if pttl >= 0 else None
+
+    def ttl_s(self, target: Target, *args: object) -> float | None:
+        """Seconds until the task's key expires; None if the key does not exist."""
+        ms = self.ttl_ms(target, *args)
+        return None if ms is None else ms / 1000.0
+
+    def list_tasks(self, status: TaskStatus | None = None, limit: int = 50) -> list[TaskRow]:
+        """Ledger rows by due time."""
+        return self.store.list_tasks(status, limit)
+
+    # --- internals ----------------------------------------------------------------------------
+    def _now_ms(self) -> int:
+        try:
+            return self.clock.now_ms()
+        except redis.RedisError as exc:
+            raise RedisUnavailableError(f"Redis is not reachable: {exc}") from None
+
+    def _arm(self, items: Sequence[tuple[str, int]], now_ms: int) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for key, due in items:
+                arm(pipe, key, due, now_ms)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise RedisUnavailableError(
+                f"task recorded in the ledger but its Redis key was not set ({exc}); "
+                "reconciliation will set it, or create it again"
+            ) from None
+
+
+def due_at_ms(
+    now_ms: int,
+    *,
+    ttl_s: float | None = None,
+    ttl_ms: int | None = None,
+    at: dt.datetime | None = None,
+) -> int:
+    """The due time in epoch ms from exactly one of a TTL in s, a TTL in ms, or a datetime."""
+    given = [x for x in (ttl_s, ttl_ms, at) if x is not None]
+    if len(given) != 1:
+        raise ArgumentError("give exactly one of ttl_s, ttl_ms or at")
+    if at is not None:
+        if at.tzinfo is None:
+            raise ArgumentError("at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        return round(at.timestamp() * 1000)
+    if ttl_ms is not None:
+        if ttl_ms < 0:
+            raise ArgumentError("ttl_ms must be >= 0")
+        return now_ms + int(ttl_ms)
+    assert ttl_s is not None
+    if ttl_s < 0:
+        raise ArgumentError("ttl_s must be >= 0")
+    return now_ms + round(ttl_s * 1000)

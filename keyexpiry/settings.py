@@ -1,0 +1,154 @@
+"""Settings from flags and `KEYEXPIRY_*` environment variables (flag, then env, then default)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from keyexpiry.errors import ConfigError
+
+ENV_PREFIX = "KEYEXPIRY_"
+DEFAULT_RETRY_SCHEDULE_S: tuple[float, ...] = (
+    15, 15, 30, 180, 600, 1200, 1800, 1800, 1800, 3600, 10800, 10800, 10800, 21600, 21600,
+)  # fmt: skip
+"""15 retries on a payment provider's notification schedule: 15 s … 6 h."""
+
+
+def mask_url(url: str | None) -> str:
+    """`url` with any password replaced by `***`, safe for logs and output."""
+    if not url:
+        return "(embedded)"
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def default_state_dir(environ: Mapping[str, str]) -> Path:
+    """Home of the embedded Redis and SQLite files: $XDG_STATE_HOME/keyexpiry (~/.local/state)."""
+    base = environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "keyexpiry"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All a keyexpiry client or listener needs; build with `from_env`, check with `validate`.
+
+    `redis_url` / `database_url` left empty select the embedded defaults (a bundled redis-server on
+    a unix socket and a SQLite file, both under `state_dir`).
+    """
+
+    redis_url: str | None = field(default=None, repr=False)
+    database_url: str | None = field(default=None, repr=False)
+    state_dir: Path = field(default_factory=lambda: default_state_dir(os.environ))
+    tasks: tuple[str, ...] = ()
+    key_prefix: str = ""
+    concurrency: int = 8
+    handler_timeout_s: float = 60.0
+    lease_grace_s: float = 30.0
+    retry_schedule_s: tuple[float, ...] = DEFAULT_RETRY_SCHEDULE_S
+    sentinel_count: int = 10
+    sentinel_interval_s: float = 900.0
+    shutdown_timeout_s: float = 30.0
+    reconnect_initial_s: float = 0.5
+    reconnect_max_s: float = 30.0
+    health_check_interval_s: float = 10.0
+    claim_batch: int = 256
+    configure_redis: bool = False
+    log_level: str = "INFO"
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr
+        )
+        return (
+            f"Settings(redis_url={mask_url(self.redis_url)!r}, "
+            f"database_url={mask_url(self.database_url)!r}, {shown})"
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        """Read `KEYEXPIRY_<FIELD>` variables; `overrides` (e.g. CLI flags) win over them."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {"state_dir": default_state_dir(env)}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse_field(f.name, raw, f.type)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)  # type: ignore[arg-type]
+        settings.validate()
+        return settings
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with `changes` applied and validated."""
+        settings = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the setting and what is allowed."""
+        if self.concurrency < 1 or self.concurrency > 1024:
+            raise ConfigError(f"concurrency must be 1..1024, got {self.concurrency}")
+        for name in ("handler_timeout_s", "sentinel_interval_s", "reconnect_initial_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("lease_grace_s", "shutdown_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ConfigError("reconnect_max_s must be >= reconnect_initial_s")
+        if not 0 <= self.sentinel_count <= 100:
+            raise ConfigError(f"sentinel_count must be 0..100, got {self.sentinel_count}")
+        if not 1 <= self.claim_batch <= 5000:
+            raise ConfigError(f"claim_batch must be 1..5000, got {self.claim_batch}")
+        if any(d < 0 for d in self.retry_schedule_s):
+            raise ConfigError("retry_schedule_s delays must be >= 0 seconds")
+        if "@" in self.key_prefix or len(self.key_prefix) > 64:
+            raise ConfigError("key_prefix must not contain '@' and must be at most 64 characters")
+        for url, what, schemes in (
+            (self.redis_url, "redis_url", ("redis", "rediss", "unix")),
+            (self.database_url, "database_url", None),
+        ):
+            if url:
+                scheme = urlsplit(url).scheme.split("+")[0]
+                if not scheme or (schemes and scheme not in schemes):
+                    allowed = ", ".join(f"{s}://" for s in schemes or ("mysql+pymysql", "sqlite"))
+                    raise ConfigError(f"{what} {mask_url(url)!r} is not a URL ({allowed})")
+
+    @property
+    def embedded_redis(self) -> bool:
+        """Whether keyexpiry runs its own redis-server under `state_dir`."""
+        return not self.redis_url
+
+
+def _parse_field(name: str, raw: str, type_name: object) -> object:
+    text = str(type_name)
+    try:
+        if "tuple[str" in text:
+            return tuple(p.strip() for p in raw.split(",") if p.strip())
+        if "tuple[float" in text:
+            return tuple(float(p) for p in raw.split(",") if p.strip())
+        if text == "int":
+            return int(raw)
+        if text == "float":
+            return float(raw)
+        if text == "bool":
+            low = raw.strip().lower()
+            if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError("expected true or false")
+            return low in ("1", "true", "yes", "on")
+        if text == "Path":
+            return Path(raw).expanduser()
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is invalid: {exc}") from None
+    return raw

@@ -1,0 +1,485 @@
+"""The SQL ledger: table `time_limit_task` and every query keyexpiry runs against it.
+
+SQLAlchemy Core, no ORM: the hot paths are a handful of set-based statements (claim a batch of keys,
+record a batch of outcomes), and Core keeps them explicit and cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Engine,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    inspect,
+    select,
+    update,
+)
+from sqlalchemy.dialects import mysql, sqlite
+from sqlalchemy.exc import SQLAlchemyError
+
+from keyexpiry.errors import StoreError
+from keyexpiry.settings import mask_url
+
+
+class TaskStatus(StrEnum):
+    """Where a task is in its life."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+
+TABLE_NAME = "time_limit_task"
+metadata = MetaData()
+# Keys are escaped to printable ASCII; a binary ASCII collation keeps them case-sensitive and lets
+# a 512-byte unique index fit InnoDB's limit.
+_KEY_TYPE = String(512).with_variant(
+    mysql.VARCHAR(512, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
+)
+_ID_TYPE = BigInteger().with_variant(Integer(), "sqlite")
+_TEXT_TYPE = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
+
+time_limit_task = Table(
+    TABLE_NAME,
+    metadata,
+    Column("id", _ID_TYPE, primary_key=True, autoincrement=True),
+    Column("task_key", _KEY_TYPE, nullable=False),
+    Column("class_name", String(128), nullable=False),
+    Column("method", String(128), nullable=False),
+    Column("args", _TEXT_TYPE, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("retry_schedule_s", Text, nullable=True),
+    Column("due_at_ms", BigInteger, nullable=False),
+    Column("created_at_ms", BigInteger, nullable=False),
+    Column("updated_at_ms", BigInteger, nullable=False),
+    Column("started_at_ms", BigInteger, nullable=True),
+    Column("finished_at_ms", BigInteger, nullable=True),
+    Column("claimed_by", String(96), nullable=True),
+    Column("lease_until_ms", BigInteger, nullable=True),
+    Column("last_error", _TEXT_TYPE, nullable=True),
+    Index("ix_time_limit_task_status_due", "status", "due_at_ms"),
+    Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
+    Index("ix_time_limit_task_claimed_by", "claimed_by"),
+    UniqueConstraint("task_key", name="uq_time_limit_task_key"),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+    # sql/time_limit_task.sql must say the same; tests/test_ddl.py checks that it does.
+)
+T = time_limit_task
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRow:
+    """One ledger row, times in epoch milliseconds on the shared (Redis) clock."""
+
+    id: int
+    key: str
+    class_name: str
+    method: str
+    args: tuple[str, ...]
+    status: TaskStatus
+    attempts: int
+    retry_schedule_s: tuple[float, ...] | None
+    due_at_ms: int
+    created_at_ms: int
+    updated_at_ms: int
+    started_at_ms: int | None
+    finished_at_ms: int | None
+    claimed_by: str | None
+    lease_until_ms: int | None
+    last_error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The `list --json` / `show --json` object: times as epoch seconds (float)."""
+
+        def sec(ms: int | None) -> float | None:
+            return None if ms is None else ms / 1000.0
+
+        return {
+            "key": self.key,
+            "class": self.class_name,
+            "method": self.method,
+            "args": list(self.args),
+            "status": str(self.status),
+            "attempts": self.attempts,
+            "due_at": sec(self.due_at_ms),
+            "created_at": sec(self.created_at_ms),
+            "started_at": sec(self.started_at_ms),
+            "finished_at": sec(self.finished_at_ms),
+            "claimed_by": self.claimed_by,
+            "last_error": self.last_error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class NewTask:
+    """A row to insert or reschedule (the key is the identity)."""
+
+    key: str
+    class_name: str
+    method: str
+    args: tuple[str, ...]
+    due_at_ms: int
+    retry_schedule_s: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one claimed run ended, to be recorded in a batch."""
+
+    task_id: int
+    key: str
+    token: str
+    status: TaskStatus
+    finished_at_ms: int | None
+    due_at_ms: int
+    last_error: str | None
+
+
+def make_engine(url: str) -> Engine:
+    """An engine tuned for the ledger: SQLite in WAL mode with a busy timeout, MySQL pre-pinged."""
+    try:
+        if url.startswith("sqlite"):
+            engine = create_engine(
+                url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=10
+            )
+
+            @event.listens_for(engine, "connect")
+            def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+                cur = dbapi_conn.cursor()
+                # WAL lets the CLI read while the listener writes; NORMAL sync is safe in WAL.
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.close()
+
+            return engine
+        return create_engine(
+            url,
+            pool_pre_ping=True,
+            pool_recycle=1800,
+            pool_size=10,
+            # Claims touch only the rows they name; READ COMMITTED avoids gap locks between
+            # listeners claiming neighbouring keys.
+            isolation_level="READ COMMITTED",
+        )
+    except (SQLAlchemyError, ImportError, ValueError) as exc:
+        raise StoreError(f"cannot use database {mask_url(url)}: {exc}") from None
+
+
+def _row(r: Any) -> TaskRow:
+    sched = json.loads(r.retry_schedule_s) if r.retry_schedule_s else None
+    return TaskRow(
+        id=r.id,
+        key=r.task_key,
+        class_name=r.class_name,
+        method=r.method,
+        args=tuple(json.loads(r.args)),
+        status=TaskStatus(r.status),
+        attempts=r.attempts,
+        retry_schedule_s=tuple(sched) if sched is not None else None,
+        due_at_ms=r.due_at_ms,
+        created_at_ms=r.created_at_ms,
+        updated_at_ms=r.updated_at_ms,
+        started_at_ms=r.started_at_ms,
+        finished_at_ms=r.finished_at_ms,
+        claimed_by=r.claimed_by,
+        lease_until_ms=r.lease_until_ms,
+        last_error=r.last_error,
+    )
+
+
+class Store:
+    """Queries on `time_limit_task`; every method raises StoreError, never a driver exception."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._url = mask_url(engine.url.render_as_string(hide_password=True))
+        self._schema_lock = threading.Lock()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except SQLAlchemyError as exc:
+            detail = str(getattr(exc, "orig", None) or exc).splitlines()[0][:300]
+            raise StoreError(f"database {self._url}: {detail}") from exc
+
+    # --- schema -------------------------------------------------------------------------------
+    def create_schema(self) -> None:
+        """Create the table and indexes if they do not exist."""
+        with self._schema_lock, self._tx() as conn:
+            metadata.create_all(conn, checkfirst=True)
+
+    def table_exists(self) -> bool:
+        """Whether `time_limit_task` exists."""
+        with self._tx() as conn:
+            return bool(inspect(conn).has_table(TABLE_NAME))
+
+    # --- create / cancel / read -----------------------------------------------------------------
+    def upsert_pending(self, tasks: Sequence[NewTask], now_ms: int) -> None:
+        """Insert each task as pending, or reset an existing key to pending at its new due time."""
+        if not tasks:
+            return
+        rows = [
+            {
+                "task_key": t.key,
+                "class_name": t.class_name,
+                "method": t.method,
+                "args": json.dumps(list(t.args), ensure_ascii=False),
+                "status": TaskStatus.PENDING.value,
+                "attempts": 0,
+                "retry_schedule_s": json.dumps(list(t.retry_schedule_s))
+                if t.retry_schedule_s is not None
+                else None,
+                "due_at_ms": t.due_at_ms,
+                "created_at_ms": now_ms,
+                "updated_at_ms": now_ms,
+                "started_at_ms": None,
+                "finished_at_ms": None,
+                "claimed_by": None,
+                "lease_until_ms": None,
+                "last_error": None,
+            }
+            for t in tasks
+        ]
+        reset = (
+            "args", "status", "attempts", "retry_schedule_s", "due_at_ms", "created_at_ms",
+            "updated_at_ms", "started_at_ms", "finished_at_ms", "claimed_by", "lease_until_ms",
+            "last_error",
+        )  # fmt: skip
+        with self._tx() as conn:
+            # Several hundred rows per statement: one round trip instead of one per task.
+            for start in range(0, len(rows), 500):
+                chunk = rows[start : start + 500]
+                if conn.dialect.name == "sqlite":
+                    ins = sqlite.insert(T).values(chunk)
+                    stmt: Any = ins.on_conflict_do_update(
+                        index_elements=[T.c.task_key], set_={c: ins.excluded[c] for c in reset}
+                    )
+                else:
+                    mins = mysql.insert(T).values(chunk)
+                    stmt = mins.on_duplicate_key_update({c: mins.inserted[c] for c in reset})
+                conn.execute(stmt)
+
+    def cancel(self, keys: Sequence[str], now_ms: int) -> list[str]:
+        """Cancel those of `keys` that are pending; return the keys actually cancelled."""
+        if not keys:
+            return []
+        with self._tx() as conn:
+            token = f"cancel:{uuid.uuid4().hex}"
+            # Mark with a token so the rows this statement changed can be read back exactly.
+            conn.execute(
+                update(T)
+                .where(T.c.task_key.in_(list(keys)), T.c.status == TaskStatus.PENDING.value)
+                .values(
+                    status=TaskStatus.CANCELLED.value,
+                    updated_at_ms=now_ms,
+                    finished_at_ms=now_ms,
+                    claimed_by=token,
+                )
+            )
+            got = conn.execute(
+                select(T.c.task_key).where(T.c.claimed_by == token, T.c.task_key.in_(list(keys)))
+            )
+            return [r[0] for r in got]
+
+    def get(self, key: str) -> TaskRow | None:
+        """The row for `key`, or None."""
+        with self._tx() as conn:
+            r = conn.execute(select(T).where(T.c.task_key == key)).first()
+        return _row(r) if r is not None else None
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, TaskRow]:
+        """Rows for `keys`, by key (missing keys are absent)."""
+        if not keys:
+            return {}
+        with self._tx() as conn:
+            rows = conn.execute(select(T).where(T.c.task_key.in_(list(keys)))).all()
+        return {r.task_key: _row(r) for r in rows}
+
+    def list_tasks(self, status: TaskStatus | None = None, limit: int = 50) -> list[TaskRow]:
+        """Rows ordered by due time, optionally of one status."""
+        q = select(T).order_by(T.c.due_at_ms, T.c.id).limit(limit)
+        if status is not None:
+            q = q.where(T.c.status == status.value)
+        with self._tx() as conn:
+            return [_row(r) for r in conn.execute(q)]
+
+    def counts(self) -> dict[str, int]:
+        """Number of rows per status."""
+        with self._tx() as conn:
+            rows = conn.execute(select(T.c.status, func.count()).group_by(T.c.status)).all()
+        return {str(s): int(n) for s, n in rows}
+
+    # --- dispatch -------------------------------------------------------------------------------
+    def claim(
+        self, keys: Sequence[str], *, now_ms: int, lease_until_ms: int, token: str
+    ) -> list[TaskRow]:
+        """Atomically move due pending rows among `keys` to running under `token`; return them.
+
+        Only rows that are pending and due are taken, so a stale event for a task rescheduled to
+        later does nothing, and of several listeners racing for a row exactly one gets it.
+        """
+        if not keys:
+            return []
+        with self._tx() as conn:
+            conn.execute(
+                update(T)
+                .where(
+                    T.c.task_key.in_(list(keys)),
+                    T.c.status == TaskStatus.PENDING.value,
+                    T.c.due_at_ms <= now_ms,
+                )
+                .values(
+                    status=TaskStatus.RUNNING.value,
+                    claimed_by=token,
+                    lease_until_ms=lease_until_ms,
+                    attempts=T.c.attempts + 1,
+                    started_at_ms=now_ms,
+                    finished_at_ms=None,
+                    updated_at_ms=now_ms,
+                )
+            )
+            rows = conn.execute(
+                select(T).where(T.c.claimed_by == token, T.c.status == TaskStatus.RUNNING.value)
+            ).all()
+        return [_row(r) for r in rows]
+
+    def record(self, outcomes: Sequence[Outcome], now_ms: int) -> int:
+        """Record finished runs in one transaction; a run whose claim was lost is skipped.
+
+        Returns how many rows were updated.
+        """
+        if not outcomes:
+            return 0
+        stmt = (
+            update(T)
+            .where(
+                T.c.id == bindparam("b_id"),
+                T.c.claimed_by == bindparam("b_token"),
+                T.c.status == TaskStatus.RUNNING.value,
+            )
+            .values(
+                status=bindparam("b_status"),
+                finished_at_ms=bindparam("b_finished"),
+                due_at_ms=bindparam("b_due"),
+                last_error=bindparam("b_error"),
+                lease_until_ms=None,
+                updated_at_ms=now_ms,
+            )
+        )
+        params = [
+            {
+                "b_id": o.task_id,
+                "b_token": o.token,
+                "b_status": o.status.value,
+                "b_finished": o.finished_at_ms,
+                "b_due": o.due_at_ms,
+                "b_error": o.last_error,
+            }
+            for o in outcomes
+        ]
+        with self._tx() as conn:
+            result = conn.execute(stmt, params)
+        return int(result.rowcount)
+
+    def release(self, task_ids: Sequence[int], token: str, now_ms: int) -> int:
+        """Give claimed-but-not-started runs back: pending again, the attempt not counted."""
+        if not task_ids:
+            return 0
+        with self._tx() as conn:
+            result = conn.execute(
+                update(T)
+                .where(
+                    T.c.id.in_(list(task_ids)),
+                    T.c.claimed_by == token,
+                    T.c.status == TaskStatus.RUNNING.value,
+                )
+                .values(
+                    status=TaskStatus.PENDING.value,
+                    attempts=T.c.attempts - 1,
+                    claimed_by=None,
+                    lease_until_ms=None,
+                    started_at_ms=None,
+                    updated_at_ms=now_ms,
+                )
+            )
+        return int(result.rowcount)
+
+    # --- reconciliation -------------------------------------------------------------------------
+    def pending_page(self, *, after_id: int, limit: int) -> list[TaskRow]:
+        """Pending rows with id > `after_id`, by id (keyset pagination, no OFFSET scans)."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T)
+                .where(T.c.status == TaskStatus.PENDING.value, T.c.id > after_id)
+                .order_by(T.c.id)
+                .limit(limit)
+            ).all()
+        return [_row(r) for r in rows]
+
+    def count_pending(self) -> int:
+        """How many rows are pending."""
+        with self._tx() as conn:
+            n = conn.execute(
+                select(func.count()).where(T.c.status == TaskStatus.PENDING.value)
+            ).scalar_one()
+        return int(n)
+
+    def expired_leases(self, now_ms: int, limit: int = 1000) -> list[TaskRow]:
+        """Running rows whose lease has run out: the listener running them is gone."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T)
+                .where(T.c.status == TaskStatus.RUNNING.value, T.c.lease_until_ms < now_ms)
+                .order_by(T.c.lease_until_ms)
+                .limit(limit)
+            ).all()
+        return [_row(r) for r in rows]
+
+    def requeue_lost(self, row: TaskRow, *, status: TaskStatus, error: str, now_ms: int) -> bool:
+        """Move a lease-expired run to pending (due now) or dead; False if someone else did."""
+        with self._tx() as conn:
+            result = conn.execute(
+                update(T)
+                .where(
+                    T.c.id == row.id,
+                    T.c.status == TaskStatus.RUNNING.value,
+                    T.c.claimed_by == row.claimed_by,
+                    T.c.lease_until_ms < now_ms,
+                )
+                .values(
+                    status=status.value,
+                    due_at_ms=now_ms if status is TaskStatus.PENDING else row.due_at_ms,
+                    finished_at_ms=now_ms if status is TaskStatus.DEAD else None,
+                    lease_until_ms=None,
+                    last_error=error,
+                    updated_at_ms=now_ms,
+                )
+            )
+        return bool(result.rowcount)

@@ -1,0 +1,31 @@
+-- keyexpiry ledger for MySQL 8 / MariaDB 10.6+. Equivalent to `keyexpiry init-db`
+-- (keyexpiry/store.py); tests/test_ddl.py creates the table from this file and uses it through
+-- the model, so the two cannot drift apart.
+--
+-- Times are epoch milliseconds on Redis's clock (the one clock keyexpiry uses for due times).
+-- task_key is pure printable ASCII (arguments are percent-escaped), so ascii_bin gives a
+-- case-sensitive unique key that fits InnoDB's index size limit at 512 bytes.
+CREATE TABLE IF NOT EXISTS time_limit_task (
+    id               BIGINT       NOT NULL AUTO_INCREMENT,
+    task_key         VARCHAR(512) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    class_name       VARCHAR(128) NOT NULL,
+    method           VARCHAR(128) NOT NULL,
+    args             MEDIUMTEXT   NOT NULL,            -- JSON list of argument strings
+    status           VARCHAR(16)  NOT NULL,            -- pending, running, done, dead, cancelled
+    attempts         INTEGER      NOT NULL,            -- runs claimed so far
+    retry_schedule_s TEXT         NULL,                -- JSON list overriding the retry delays
+    due_at_ms        BIGINT       NOT NULL,
+    created_at_ms    BIGINT       NOT NULL,
+    updated_at_ms    BIGINT       NOT NULL,
+    started_at_ms    BIGINT       NULL,
+    finished_at_ms   BIGINT       NULL,
+    claimed_by       VARCHAR(96)  NULL,                -- listener and claim batch that ran it
+    lease_until_ms   BIGINT       NULL,                -- a running row past this is re-run
+    last_error       MEDIUMTEXT   NULL,
+    PRIMARY KEY (id),
+    CONSTRAINT uq_time_limit_task_key UNIQUE (task_key),
+    -- the listener claims by key; reconciliation scans pending by due time and running by lease
+    INDEX ix_time_limit_task_status_due (status, due_at_ms),
+    INDEX ix_time_limit_task_status_lease (status, lease_until_ms),
+    INDEX ix_time_limit_task_claimed_by (claimed_by)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;

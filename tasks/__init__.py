@@ -1,0 +1,1 @@
+"""Example business tasks for keyexpiry, on a small demo schema (see tasks/schema.py)."""

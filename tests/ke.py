@@ -1,0 +1,102 @@
+"""Fixtures and helpers for tests that run keyexpiry against real servers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keyexpiry import Client, Listener, Settings
+from keyexpiry.store import TaskRow, TaskStatus
+from tests import sample_tasks
+from tests.servers import wait_until
+
+FAST = {
+    "retry_schedule_s": (0.05, 0.05),
+    "sentinel_count": 0,
+    "reconnect_initial_s": 0.05,
+    "reconnect_max_s": 0.5,
+    "shutdown_timeout_s": 5.0,
+    "lease_grace_s": 1.0,
+    "handler_timeout_s": 10.0,
+    "health_check_interval_s": 1.0,
+}
+"""Short retries, leases and backoffs, so no test waits long."""
+
+
+def make_settings(redis_url: str, db_url: str, tmp: Path, **overrides: Any) -> Settings:
+    """Settings for a test: real server URLs and fast timings."""
+    values: dict[str, Any] = {**FAST, **overrides}
+    return Settings(redis_url=redis_url, database_url=db_url, state_dir=tmp / "state", **values)
+
+
+class Running:
+    """A listener running on a background thread, stopped at teardown."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.listener = Listener(settings)
+        self.thread = threading.Thread(target=self.listener.run, daemon=True)
+        self.thread.start()
+        if not self.listener.subscribed.wait(15):
+            raise AssertionError("listener did not subscribe within 15 s")
+        assert self.listener.wait_reconciled(15), "start-up reconciliation did not finish"
+
+    def stop(self) -> None:
+        self.listener.stop()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "listener did not stop"
+
+
+@pytest.fixture
+def settings(redis_url: str, db_url: str, tmp_path: Path) -> Settings:
+    """Fast settings on the session Redis and a fresh ledger (SQLite and MariaDB)."""
+    return make_settings(redis_url, db_url, tmp_path)
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[Client]:
+    """A client on `settings`, closed at teardown."""
+    sample_tasks.reset()
+    c = Client(settings)
+    yield c
+    sample_tasks.reset()
+    c.close()
+
+
+@pytest.fixture
+def start_listener() -> Iterator[Callable[..., Running]]:
+    """Start listeners on demand (`start_listener(settings)`); all are stopped at teardown."""
+    started: list[Running] = []
+
+    def start(settings: Settings) -> Running:
+        running = Running(settings)
+        started.append(running)
+        return running
+
+    yield start
+    sample_tasks.reset()
+    for running in started:
+        running.stop()
+
+
+def wait_status(client: Client, key: str, status: TaskStatus, timeout_s: float = 10.0) -> TaskRow:
+    """Wait on a deadline until `key`'s row has `status`; return the row."""
+    found: list[TaskRow] = []
+
+    def ready() -> bool:
+        row = client.store.get(key)
+        if row is not None and row.status is status:
+            found.append(row)
+            return True
+        return False
+
+    wait_until(
+        ready,
+        timeout_s,
+        interval_s=0.01,
+        message=f"{key} never became {status}: {client.store.get(key)}",
+    )
+    return found[-1]

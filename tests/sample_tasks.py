@@ -1,0 +1,81 @@
+"""Task classes the tests schedule; they record calls in-process so tests can assert on them."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from decimal import Decimal
+
+from keyexpiry import DoNotRetry, current, exposed, task
+
+CALLS: Counter[str] = Counter()
+"""How many times each key's handler was entered (in this process)."""
+CALL_ARGS: dict[str, tuple[object, ...]] = {}
+GATES: dict[str, threading.Event] = {}
+_lock = threading.Lock()
+
+
+def _note(*args: object) -> None:
+    key = current().key
+    with _lock:
+        CALLS[key] += 1
+        CALL_ARGS[key] = args
+
+
+def reset() -> None:
+    """Forget calls and open gates (called by fixtures between tests)."""
+    with _lock:
+        CALLS.clear()
+        CALL_ARGS.clear()
+        for gate in GATES.values():
+            gate.set()
+        GATES.clear()
+
+
+def gate(name: str) -> threading.Event:
+    """The event a `Probe.wait` run named `name` blocks on."""
+    with _lock:
+        return GATES.setdefault(name, threading.Event())
+
+
+@task
+class Probe:
+    """Handlers with every behaviour the listener must cope with."""
+
+    @exposed
+    def record(self, name: str) -> None:
+        _note(name)
+
+    @exposed
+    def typed(self, n: int, price: Decimal, flag: bool, ratio: float, label: str = "x") -> None:
+        _note(n, price, flag, ratio, label)
+
+    @exposed(retry_schedule_s=[0.05, 0.05])
+    def always_fail(self, name: str) -> None:
+        _note(name)
+        raise RuntimeError(f"boom {name}")
+
+    @exposed(retry_schedule_s=[0.05, 0.05])
+    def fail_once(self, name: str) -> None:
+        _note(name)
+        if current().attempt == 1:
+            raise RuntimeError("first attempt fails")
+
+    @exposed
+    def final(self, name: str) -> None:
+        _note(name)
+        raise DoNotRetry(f"{name} cannot succeed")
+
+    @exposed(timeout_s=0.3, retry_schedule_s=[0.05])
+    def hang_first(self, name: str) -> None:
+        _note(name)
+        if current().attempt == 1:
+            gate(name).wait(10)
+
+    @exposed(timeout_s=30)
+    def wait(self, name: str) -> None:
+        _note(name)
+        gate(name).wait(20)
+
+    def not_exposed(self, name: str) -> None:
+        raise AssertionError("a key must never reach a method that is not exposed")

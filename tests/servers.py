@@ -1,0 +1,728 @@
+"""Real Redis and MariaDB servers for the test suite.
+
+Every server runs as a child process on a free loopback port with its files in a
+caller-supplied work directory, so tests (and xdist workers) never share state with
+each other or with anything installed on the machine. The classes expose the
+operations fault-injection tests need: stop, kill, restart on the same port, and
+pause/resume (SIGSTOP/SIGCONT) to simulate a server that hangs without closing
+its sockets.
+
+Nothing here sleeps for a fixed time: all waiting goes through :func:`wait_until`,
+which polls on a monotonic deadline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pwd
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import pymysql
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+__all__ = [
+    "MariaDBServer",
+    "RedisServer",
+    "ServerError",
+    "find_binary",
+    "free_port",
+    "wait_until",
+]
+
+LOOPBACK = "127.0.0.1"
+
+# Lines of a server log quoted in error messages: enough to show the real failure
+# (which usually comes last) without drowning the pytest report.
+_LOG_TAIL_LINES = 40
+
+# Ports handed out by free_port() in this process. A port is only "free" until
+# somebody binds it; remembering what we already returned stops two servers created
+# back to back (before either has started) from being given the same port.
+_handed_out_ports: set[int] = set()
+
+
+class ServerError(RuntimeError):
+    """A server could not be started, or exited when it should not have."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is currently free.
+
+    The kernel picks the port (bind to port 0). There is an unavoidable window
+    between closing this probe socket and the server binding the port; the server
+    classes close it by retrying with a new port if the first start fails with
+    "address in use" (only when the caller did not ask for a specific port).
+    On Linux >= 4.6 bind(0) hands out even ports and connect() prefers odd ones, so
+    a client reconnecting to a stopped server cannot accidentally self-connect
+    to the port through TCP simultaneous open.
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOOPBACK, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _handed_out_ports:
+            _handed_out_ports.add(port)
+            return port
+    raise ServerError("could not find a free loopback port")  # pragma: no cover
+
+
+def wait_until(
+    predicate: Callable[[], bool],
+    timeout_s: float,
+    interval_s: float = 0.01,
+    message: str = "",
+) -> None:
+    """Poll ``predicate`` until it returns true, or fail after ``timeout_s`` seconds.
+
+    The deadline is measured with :func:`time.monotonic`, so wall-clock jumps do not
+    shorten or stretch it. The predicate is always evaluated one last time at the
+    deadline, so a slow machine does not fail a condition that has just become true.
+    Exceptions raised by ``predicate`` propagate immediately (use that to abort the
+    wait early, e.g. when the process being waited for has died).
+
+    Raises:
+        AssertionError: ``predicate`` did not become true in time; the text is
+            ``message`` (or a generic one) plus the timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        time.sleep(min(interval_s, remaining))
+    if predicate():
+        return
+    what = message or f"condition {getattr(predicate, '__name__', predicate)!r} not met"
+    raise AssertionError(f"{what} (timed out after {timeout_s:g}s)")
+
+
+def _log_tail(path: Path, offset: int = 0, lines: int = _LOG_TAIL_LINES) -> str:
+    """Return the last ``lines`` lines of ``path`` written after byte ``offset``."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except OSError as exc:
+        return f"<cannot read {path}: {exc}>"
+    text = data.decode("utf-8", errors="replace").rstrip()
+    if not text:
+        return f"<{path} is empty>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def find_binary(name: str) -> str | None:
+    """Return the path of executable ``name``, or None if it is not installed.
+
+    Looks on PATH first, then in the sbin directories: Debian installs mariadbd in
+    /usr/sbin, which is not on a normal user's PATH.
+    """
+    found = shutil.which(name)
+    if found is None and os.sep not in name:
+        found = shutil.which(name, path=os.pathsep.join(["/usr/sbin", "/usr/local/sbin", "/sbin"]))
+    return found
+
+
+def _resolve_binary(name: str) -> str:
+    found = find_binary(name)
+    if found is None:
+        raise FileNotFoundError(f"server binary {name!r} not found on PATH or in */sbin")
+    return found
+
+
+def _death_signal_prefix() -> list[str]:
+    """Command prefix that makes the kernel SIGKILL the server if we die.
+
+    atexit cleanup does not run when the test process is SIGKILLed (CI timeout,
+    OOM killer, pytest-timeout's thread method uses os._exit), so without this a
+    crashed run would leave servers behind holding ports. ``setpriv`` sets
+    PR_SET_PDEATHSIG and then execs the server, so the child's pid is the server's
+    pid. The signal fires when the *thread* that forked the child exits, so it is
+    only used when we are on the main thread (which lives as long as the process).
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return []
+    return [setpriv, "--pdeathsig", "KILL", "--"]
+
+
+# Every started server, so the atexit hook can kill whatever a test run forgot to stop.
+_live: set[_ServerProcess] = set()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for server in list(_live):
+        with contextlib.suppress(Exception):
+            server.kill()
+
+
+class _ServerProcess:
+    """Process bookkeeping shared by the Redis and MariaDB wrappers."""
+
+    #: Name used in error messages.
+    _kind = "server"
+    #: How long start() waits for the server to answer.
+    _start_timeout_s = 10.0
+    #: How long stop() waits for a graceful exit before SIGKILL.
+    _stop_timeout_s = 30.0
+
+    def __init__(self, workdir: Path, port: int | None, args: Sequence[str]) -> None:
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # A port chosen by us may be stolen before the server binds it; only then is
+        # it safe to pick another one. Once the server has run on a port, the port
+        # is fixed so that restart() keeps clients' URLs valid.
+        self._port_is_ours = port is None
+        self._port = free_port() if port is None else port
+        self._args: tuple[str, ...] = tuple(args)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_once = False
+        self._log_offset = 0
+
+    # -- subclass hooks ---------------------------------------------------------------
+
+    @property
+    def log_path(self) -> Path:
+        """The server's own log file."""
+        raise NotImplementedError
+
+    @property
+    def _stderr_path(self) -> Path:
+        # Errors printed before the server opens its log file (bad flags) go here.
+        return self.workdir / f"{self._kind}.stderr"
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _ping(self) -> bool:
+        """Return True once the server answers requests."""
+        raise NotImplementedError
+
+    def _graceful_stop(self, proc: subprocess.Popen[bytes]) -> None:
+        proc.terminate()
+
+    # -- public interface -------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """TCP port on 127.0.0.1 (stable across restarts)."""
+        return self._port
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running server."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise ServerError(f"{self._kind} on port {self._port} is not running")
+        return self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        """True while the process exists (a paused server counts as running)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """Extra command-line arguments appended after the defaults."""
+        return self._args
+
+    def start(self) -> None:
+        """Start the server and wait until it answers; raise ServerError on failure."""
+        if self.running:
+            raise ServerError(f"{self._kind} on port {self._port} is already running")
+        self._reap()
+        attempts = 3 if self._port_is_ours and not self._started_once else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                self._spawn_and_wait()
+            except _PortInUse:
+                if attempt == attempts:
+                    raise
+                self._port = free_port()
+                continue
+            self._started_once = True
+            self._port_is_ours = False
+            return
+
+    def stop(self) -> None:
+        """Stop the server gracefully (SIGKILL if it does not exit in time). Idempotent."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            # A stopped (SIGSTOPped) process queues SIGTERM and never answers a
+            # SHUTDOWN command; wake it first.
+            self.resume()
+            with contextlib.suppress(ProcessLookupError):
+                self._graceful_stop(proc)
+            try:
+                proc.wait(timeout=self._stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._reap()
+
+    def kill(self) -> None:
+        """SIGKILL the server (simulates a crash) and reap it. Idempotent."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            # SIGKILL works on a stopped process too; no SIGCONT needed.
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        self._reap()
+
+    def restart(self, args: Sequence[str] | None = None) -> None:
+        """Stop and start again on the same port, optionally replacing the extra args."""
+        self.stop()
+        if args is not None:
+            self._args = tuple(args)
+        self.start()
+
+    def pause(self) -> None:
+        """Freeze the server with SIGSTOP: its sockets stay open but nothing answers."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause` with SIGCONT (harmless if the server is not paused)."""
+        self._signal(signal.SIGCONT)
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """The end of the server log written since the last start, for error messages."""
+        return _log_tail(self.log_path, self._log_offset, lines)
+
+    def __enter__(self) -> Self:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<{type(self).__name__} 127.0.0.1:{self._port} {state} in {self.workdir}>"
+
+    # -- internals --------------------------------------------------------------------
+
+    def _signal(self, signum: signal.Signals) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.send_signal(signum)
+
+    def _reap(self) -> None:
+        """Forget a process that has exited (waiting on it avoids a ResourceWarning)."""
+        if self._proc is not None:
+            self._proc.wait()
+            self._proc = None
+        _live.discard(self)
+
+    def _spawn_and_wait(self) -> None:
+        # Remember where this run's log output starts, so errors quote only it.
+        self._log_offset = _file_size(self.log_path)
+        stderr_offset = _file_size(self._stderr_path)
+        cmd = [*_death_signal_prefix(), *self._command()]
+        with self._stderr_path.open("ab") as stderr:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                # Own session: a Ctrl-C in the terminal goes to pytest, which then
+                # stops the servers in fixture teardown instead of racing with them.
+                start_new_session=True,
+            )
+        _live.add(self)
+        proc = self._proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise _Exited
+            return self._ping()
+
+        try:
+            wait_until(ready, self._start_timeout_s, interval_s=0.01)
+        except (_Exited, AssertionError) as exc:
+            exited = isinstance(exc, _Exited)
+            self.kill()
+            log = self.log_tail()
+            stderr_text = _log_tail(self._stderr_path, stderr_offset)
+            details = (
+                f"command: {shlex.join(cmd)}\n"
+                f"--- {self.log_path} ---\n{log}\n"
+                f"--- {self._stderr_path} ---\n{stderr_text}"
+            )
+            if exited and "already in use" in log + stderr_text:
+                raise _PortInUse(f"port {self._port} already in use\n{details}") from None
+            reason = (
+                f"exited with code {proc.returncode}"
+                if exited
+                else f"did not answer within {self._start_timeout_s:g}s"
+            )
+            raise ServerError(
+                f"{self._kind} on 127.0.0.1:{self._port} {reason}\n{details}"
+            ) from None
+        except BaseException:
+            # Unexpected error or Ctrl-C while waiting: do not leave a half-started
+            # server behind for the atexit hook to find.
+            self.kill()
+            raise
+
+
+class _Exited(Exception):
+    """Internal: the server process exited while we waited for it."""
+
+
+class _PortInUse(ServerError):
+    """The server could not bind its port."""
+
+
+class RedisServer(_ServerProcess):
+    """A ``redis-server`` child process with keyspace notifications for expired keys.
+
+    Persistence is off by default (``--save '' --appendonly no``); pass e.g.
+    ``args=["--appendonly", "yes"]`` or ``["--save", "900", "1"]`` to turn it on.
+    Redis applies command-line options in order, so later ones override the
+    defaults (``--save`` accumulates rules, except that ``--save ''`` clears them).
+    """
+
+    _kind = "redis"
+    _start_timeout_s = 10.0
+    _stop_timeout_s = 10.0
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        binary: str = "redis-server",
+    ) -> None:
+        super().__init__(workdir, port, args)
+        self.binary = binary
+        # Read by _graceful_stop(); set only for the duration of stop(save=True).
+        self._save_on_stop = False
+
+    @property
+    def log_path(self) -> Path:
+        """Redis log file (``--logfile``), appended to across restarts."""
+        return self.workdir / "redis.log"
+
+    def url(self, db: int = 0) -> str:
+        """``redis://127.0.0.1:PORT/db``."""
+        return f"redis://{LOOPBACK}:{self._port}/{db}"
+
+    def client(self, db: int = 0, **kwargs: Any) -> redis.Redis:
+        """A new redis-py client for ``db``; the caller must ``close()`` it.
+
+        ``kwargs`` go to :class:`redis.Redis` (e.g. ``socket_timeout``). Note that
+        redis-py 8 defaults to a 5 s socket timeout and 10 retries with backoff,
+        which a test against a paused or stopped server usually wants to disable:
+        ``retry=Retry(NoBackoff(), 0)``.
+        """
+        return redis.Redis(host=LOOPBACK, port=self._port, db=db, **kwargs)
+
+    def stop(self, *, save: bool = False) -> None:
+        """Stop with ``SHUTDOWN NOSAVE`` (``SHUTDOWN SAVE`` if ``save``). Idempotent.
+
+        NOSAVE skips the RDB snapshot but Redis still flushes and fsyncs the AOF
+        when ``--appendonly yes`` is set, so AOF data survives a restart.
+        """
+        self._save_on_stop = save
+        try:
+            super().stop()
+        finally:
+            self._save_on_stop = False
+
+    def restart(self, args: Sequence[str] | None = None, *, save: bool = False) -> None:
+        """Stop (see :meth:`stop`) and start on the same port, optionally with new args."""
+        self.stop(save=save)
+        if args is not None:
+            self._args = tuple(args)
+        self.start()
+
+    def _command(self) -> list[str]:
+        return [
+            _resolve_binary(self.binary),
+            "--port", str(self._port),
+            "--bind", LOOPBACK,
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--notify-keyspace-events", "Ex",
+            "--daemonize", "no",
+            "--logfile", str(self.log_path),
+            "--protected-mode", "no",
+            *self._args,
+        ]  # fmt: skip
+
+    def _admin_client(self, timeout_s: float) -> redis.Redis:
+        # No retries: readiness polling and shutdown must see failures immediately
+        # instead of sitting in redis-py 8's default backoff loop.
+        return redis.Redis(
+            host=LOOPBACK,
+            port=self._port,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+
+    def _ping(self) -> bool:
+        client = self._admin_client(0.5)
+        try:
+            # BusyLoadingError (dataset still loading) is a RedisError: not ready yet.
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def _graceful_stop(self, proc: subprocess.Popen[bytes]) -> None:
+        client = self._admin_client(5.0)
+        try:
+            if self._save_on_stop:
+                client.shutdown(save=True)
+            else:
+                client.shutdown(nosave=True)
+        except redis.RedisError:
+            # Server refused (e.g. busy script) or is unreachable: fall back to SIGTERM.
+            proc.terminate()
+        finally:
+            client.close()
+
+
+def _current_user() -> str:
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
+# sockaddr_un.sun_path is 108 bytes on Linux (104 on macOS); leave some slack.
+_MAX_SOCKET_PATH = 100
+
+
+class MariaDBServer(_ServerProcess):
+    """A ``mariadbd`` child process with its own datadir, reachable as root over TCP.
+
+    The datadir is initialised on first start with ``mariadb-install-db`` and kept
+    across stop/kill/restart, so data committed before a crash is still there.
+    ``innodb_flush_log_at_trx_commit=2`` writes the redo log to the OS on every
+    commit, so committed transactions survive ``kill()`` (a process crash), just not
+    a machine crash, which tests do not simulate.
+
+    Extra ``args`` are appended after the defaults and override them, e.g.
+    ``args=["--innodb-lock-wait-timeout=2"]``.
+    """
+
+    _kind = "mariadb"
+    _start_timeout_s = 60.0
+    _stop_timeout_s = 60.0
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        binary: str = "mariadbd",
+        install_binary: str = "mariadb-install-db",
+    ) -> None:
+        super().__init__(workdir, port, args)
+        self.binary = binary
+        self.install_binary = install_binary
+        self.datadir = self.workdir / "data"
+        self.socket_path = self.workdir / "mysqld.sock"
+        if len(str(self.socket_path)) > _MAX_SOCKET_PATH:
+            # mariadbd refuses socket paths that do not fit in sockaddr_un; tests only
+            # use TCP, so any short private directory will do.
+            short_dir = Path(tempfile.mkdtemp(prefix="kx-mysql-"))
+            atexit.register(shutil.rmtree, short_dir, True)
+            self.socket_path = short_dir / "mysqld.sock"
+
+    @property
+    def log_path(self) -> Path:
+        """MariaDB error log (``--log-error``), appended to across restarts."""
+        return self.workdir / "mariadb.err"
+
+    def url(self, db: str) -> str:
+        """SQLAlchemy URL ``mysql+pymysql://root@127.0.0.1:PORT/db``."""
+        return f"mysql+pymysql://root@{LOOPBACK}:{self._port}/{db}"
+
+    def admin_connection(self, **kwargs: Any) -> pymysql.connections.Connection:
+        """A new autocommit PyMySQL connection as root (no database selected).
+
+        ``kwargs`` override the defaults (e.g. ``database=``, ``read_timeout=``).
+        The caller must ``close()`` it.
+        """
+        params: dict[str, Any] = {
+            "host": LOOPBACK,
+            "port": self._port,
+            "user": "root",
+            "password": "",
+            "autocommit": True,
+            "connect_timeout": 5,
+        }
+        params.update(kwargs)
+        return pymysql.connect(**params)
+
+    def create_database(self, name: str) -> str:
+        """Create database ``name`` (utf8mb4) and return its SQLAlchemy URL."""
+        self._execute(f"CREATE DATABASE `{_check_db_name(name)}` CHARACTER SET utf8mb4")
+        return self.url(name)
+
+    def drop_database(self, name: str) -> None:
+        """Drop database ``name`` if it exists, killing sessions that still use it.
+
+        A test that leaked a connection with an open transaction would otherwise make
+        DROP DATABASE wait on its metadata lock for ``lock_wait_timeout`` (a day by
+        default) and the whole run would hang until pytest-timeout fires.
+        """
+        _check_db_name(name)
+        conn = self.admin_connection()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(
+                    "SELECT id FROM information_schema.PROCESSLIST"
+                    " WHERE db = %s AND id <> CONNECTION_ID()",
+                    (name,),
+                )
+                for (session_id,) in cur.fetchall():
+                    # The session may end between SELECT and KILL (1094: unknown thread).
+                    with contextlib.suppress(pymysql.MySQLError):
+                        cur.execute(f"KILL {int(session_id)}")
+                cur.execute("SET SESSION lock_wait_timeout = 10")
+                cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        finally:
+            conn.close()
+
+    def start(self) -> None:
+        """Initialise the datadir if needed, start mariadbd and wait for a root login."""
+        if self.running:
+            raise ServerError(f"{self._kind} on port {self._port} is already running")
+        if not self.datadir.is_dir() or not any(self.datadir.iterdir()):
+            self._install()
+        super().start()
+
+    def _execute(self, sql: str) -> None:
+        conn = self.admin_connection()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql)
+        finally:
+            conn.close()
+
+    def _install(self) -> None:
+        log = self.workdir / "install.log"
+        cmd = [
+            _resolve_binary(self.install_binary),
+            "--no-defaults",
+            # Root gets a normal (empty) password on every loopback account, so the
+            # tests can log in over TCP; the default unix_socket auth would only
+            # work through the socket.
+            "--auth-root-authentication-method=normal",
+            f"--datadir={self.datadir}",
+            f"--user={_current_user()}",
+            "--skip-test-db",
+            # Unknown options are passed on to the bootstrap mariadbd: create the
+            # redo log at its final (small) size instead of 96 MiB.
+            *self._innodb_args(),
+        ]
+        with log.open("wb") as out:
+            result = subprocess.run(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False
+            )
+        if result.returncode != 0:
+            # A half-initialised datadir would make the next start() skip the install.
+            shutil.rmtree(self.datadir, ignore_errors=True)
+            raise ServerError(
+                f"{shlex.join(cmd)} failed with code {result.returncode}\n"
+                f"--- {log} ---\n{_log_tail(log)}"
+            )
+
+    @staticmethod
+    def _innodb_args() -> list[str]:
+        return [
+            "--innodb-buffer-pool-size=64M",
+            "--innodb-log-file-size=16M",
+        ]
+
+    def _command(self) -> list[str]:
+        cmd = [
+            _resolve_binary(self.binary),
+            "--no-defaults",  # must come first: ignore /etc/mysql/*.cnf
+            f"--datadir={self.datadir}",
+            f"--socket={self.socket_path}",
+            f"--port={self._port}",
+            f"--bind-address={LOOPBACK}",
+            # mariadbd refuses to run as root unless told to explicitly.
+            f"--user={_current_user()}",
+            "--skip-name-resolve",
+            *self._innodb_args(),
+            "--innodb-flush-log-at-trx-commit=2",
+            "--skip-log-bin",
+            f"--pid-file={self.workdir / 'mysqld.pid'}",
+            f"--log-error={self.log_path}",
+            "--character-set-server=utf8mb4",
+            # Faster start and stop: do not dump/load the buffer pool page list.
+            "--innodb-buffer-pool-dump-at-shutdown=OFF",
+            "--innodb-buffer-pool-load-at-startup=OFF",
+        ]
+        if self._started_once:
+            # On restart the old listening socket may linger for a moment; wait for
+            # the port instead of failing (mariadbd's own retry, not a sleep here).
+            cmd.append("--port-open-timeout=10")
+        cmd.extend(self._args)
+        return cmd
+
+    def _ping(self) -> bool:
+        try:
+            conn = self.admin_connection(connect_timeout=1, read_timeout=2, write_timeout=2)
+        except pymysql.MySQLError:
+            return False
+        conn.close()
+        return True
+
+
+_DB_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def _check_db_name(name: str) -> str:
+    """Reject names that would need quoting: they are interpolated into SQL."""
+    if not _DB_NAME.fullmatch(name):
+        raise ValueError(f"invalid database name {name!r} (use [A-Za-z0-9_], max 64)")
+    return name

@@ -1,0 +1,68 @@
+"""sql/time_limit_task.sql and the SQLAlchemy model describe the same table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import create_engine, inspect, text
+
+from keyexpiry.store import NewTask, Store, TaskStatus, make_engine, metadata
+from tests.servers import MariaDBServer
+
+DDL = Path(__file__).resolve().parents[1] / "sql" / "time_limit_task.sql"
+
+
+def _describe(url: str) -> tuple[dict[str, str], set[tuple[str, tuple[str, ...]]], set[str]]:
+    engine = create_engine(url)
+    try:
+        insp = inspect(engine)
+        cols = {
+            c["name"]: f"{c['type']!r}|{c['nullable']}" for c in insp.get_columns("time_limit_task")
+        }
+        idx = {
+            (i["name"], tuple(str(c) for c in i["column_names"]))
+            for i in insp.get_indexes("time_limit_task")
+        }
+        uniq = {
+            ",".join(str(c) for c in u["column_names"])
+            for u in insp.get_unique_constraints("time_limit_task")
+        }
+    finally:
+        engine.dispose()
+    return cols, idx, uniq
+
+
+def test_sql_file_and_model_create_the_same_table(
+    mariadb_server: MariaDBServer, mysql_url: str
+) -> None:
+    other = mysql_url.rsplit("/", 1)[0] + "/" + mysql_url.rsplit("/", 1)[1] + "_model"
+    conn = mariadb_server.admin_connection()
+    try:
+        conn.cursor().execute(f"CREATE DATABASE `{other.rsplit('/', 1)[1]}`")
+    finally:
+        conn.close()
+    try:
+        engine = create_engine(mysql_url)
+        with engine.begin() as c:
+            c.execute(text(DDL.read_text()))
+        engine.dispose()
+        model_engine = create_engine(other)
+        metadata.create_all(model_engine)
+        model_engine.dispose()
+        from_sql = _describe(mysql_url)
+        assert len(from_sql[0]) == 16 and len(from_sql[1]) >= 3 and from_sql[2]
+        assert from_sql == _describe(other)
+    finally:
+        mariadb_server.drop_database(other.rsplit("/", 1)[1])
+
+
+def test_table_from_sql_file_works_through_the_model(mysql_url: str) -> None:
+    engine = make_engine(mysql_url)
+    with engine.begin() as c:
+        c.execute(text(DDL.read_text()))
+    store = Store(engine)
+    store.create_schema()  # a no-op on an existing table
+    store.upsert_pending([NewTask("A@m@%F0%9F%8E%88", "A", "m", ("🎈",), 1000)], 1)
+    (row,) = store.claim(["A@m@%F0%9F%8E%88"], now_ms=1000, lease_until_ms=2000, token="t")
+    assert row.args == ("🎈",) and row.status is TaskStatus.RUNNING
+    engine.dispose()

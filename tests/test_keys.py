@@ -1,0 +1,85 @@
+"""Task keys: escaping round-trips, limits, and refusal of anything that is not a task key."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from keyexpiry.errors import KeyFormatError
+from keyexpiry.keys import (
+    MAX_KEY_BYTES,
+    TaskKey,
+    expired_channel,
+    format_key,
+    is_sentinel,
+    parse_key,
+    sentinel_key,
+)
+
+names = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,20}", fullmatch=True)
+args = st.lists(st.text(max_size=20), max_size=4)
+prefixes = st.sampled_from(["", "app1:", "ke/"])
+
+
+@given(class_name=names, method=names, arguments=args, prefix=prefixes)
+def test_any_arguments_round_trip_through_a_key(
+    class_name: str, method: str, arguments: list[str], prefix: str
+) -> None:
+    key = format_key(class_name, method, arguments, prefix=prefix)
+    assert key.isascii() and " " not in key
+    assert parse_key(key, prefix=prefix) == TaskKey(class_name, method, tuple(arguments))
+
+
+def test_the_plain_design_keys_stay_readable() -> None:
+    assert format_key("OrderTimeout", "close_unpaid", ["218"]) == "OrderTimeout@close_unpaid@218"
+    assert format_key("A", "m", ["a@b", "50%", "x y", "é"]) == "A@m@a%40b@50%25@x%20y@%C3%A9"
+
+
+def test_no_arguments_and_one_empty_argument_are_different_keys() -> None:
+    assert parse_key("A@m").args == ()
+    assert parse_key("A@m@").args == ("",)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "no-separator",
+        "@m@1",
+        "A@@1",
+        "os.path@join@1",
+        "Task@__class__@1",
+        "_Private@m",
+        "A@_m",
+        "1A@m",
+        "A@m@%zz",  # bad escape
+        "A@m@%ff",  # escapes to invalid UTF-8
+        "A@m@a b",  # space must be escaped
+        "A@m@%41",  # non-canonical: 'A' needs no escaping
+        "A@m@\x00",
+    ],
+)
+def test_malformed_keys_are_refused(key: str) -> None:
+    with pytest.raises(KeyFormatError):
+        parse_key(key)
+
+
+def test_keys_over_the_limit_are_refused_at_create_and_parse() -> None:
+    with pytest.raises(KeyFormatError, match=f"limit is {MAX_KEY_BYTES}"):
+        format_key("A", "m", ["x" * MAX_KEY_BYTES])
+    with pytest.raises(KeyFormatError):
+        parse_key("A@m@" + "x" * MAX_KEY_BYTES)
+
+
+def test_prefix_is_required_when_set() -> None:
+    assert parse_key("app:A@m@1", prefix="app:") == TaskKey("A", "m", ("1",))
+    with pytest.raises(KeyFormatError):
+        parse_key("A@m@1", prefix="app:")
+
+
+def test_sentinels_and_channels() -> None:
+    assert is_sentinel(sentinel_key(3, "p:"), "p:")
+    assert not is_sentinel("p:A@m", "p:")
+    with pytest.raises(KeyFormatError):
+        parse_key(sentinel_key(1))
+    assert expired_channel(2) == "__keyevent@2__:expired"

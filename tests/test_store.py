@@ -1,0 +1,133 @@
+"""The ledger on SQLite and MariaDB: upsert, atomic claim, record, cancel, release, leases."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from keyexpiry.store import NewTask, Outcome, Store, TaskStatus, make_engine
+
+NOW = 1_700_000_000_000
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store(make_engine(db_url))
+    s.create_schema()
+    yield s
+    s.engine.dispose()
+
+
+def new(key: str, due: int = NOW) -> NewTask:
+    return NewTask(key, "A", "m", (key, "é@"), due)
+
+
+def test_create_again_reschedules_one_row(store: Store) -> None:
+    store.upsert_pending([new("A@m@1", NOW + 5000)], NOW)
+    store.claim(["A@m@1"], now_ms=NOW + 6000, lease_until_ms=NOW + 9000, token="t1")
+    store.upsert_pending([new("A@m@1", NOW + 60_000)], NOW + 7000)
+    row = store.get("A@m@1")
+    assert row is not None
+    assert (row.status, row.attempts, row.due_at_ms) == (TaskStatus.PENDING, 0, NOW + 60_000)
+    assert row.args == ("A@m@1", "é@")
+    assert store.counts() == {"pending": 1}
+
+
+def test_keys_are_case_sensitive(store: Store) -> None:
+    store.upsert_pending([new("A@m@x"), new("A@m@X")], NOW)
+    assert store.count_pending() == 2
+
+
+def test_claim_takes_only_due_pending_rows(store: Store) -> None:
+    store.upsert_pending([new("A@m@due"), new("A@m@later", NOW + 1000)], NOW)
+    rows = store.claim(
+        ["A@m@due", "A@m@later", "A@m@absent"], now_ms=NOW, lease_until_ms=NOW + 10, token="t"
+    )
+    assert [(r.key, r.status, r.attempts) for r in rows] == [("A@m@due", TaskStatus.RUNNING, 1)]
+    assert store.claim(["A@m@due"], now_ms=NOW, lease_until_ms=NOW, token="t2") == []
+
+
+def test_racing_claims_give_each_row_to_exactly_one_claimer(store: Store) -> None:
+    keys = [f"A@m@{i}" for i in range(200)]
+    store.upsert_pending([new(k) for k in keys], NOW)
+    won: dict[str, list[str]] = {}
+    barrier = threading.Barrier(4)
+
+    def claimer(name: str) -> None:
+        barrier.wait()
+        got: list[str] = []
+        for start in range(0, len(keys), 20):
+            rows = store.claim(
+                keys[start : start + 20], now_ms=NOW, lease_until_ms=NOW + 1, token=f"{name}{start}"
+            )
+            got.extend(r.key for r in rows)
+        won[name] = got
+
+    threads = [threading.Thread(target=claimer, args=(f"c{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    all_won = [k for got in won.values() for k in got]
+    assert sorted(all_won) == sorted(keys)
+
+
+def test_record_skips_runs_whose_claim_was_lost(store: Store) -> None:
+    store.upsert_pending([new("A@m@1"), new("A@m@2")], NOW)
+    rows = store.claim(["A@m@1", "A@m@2"], now_ms=NOW, lease_until_ms=NOW + 5, token="t")
+    by_key = {r.key: r for r in rows}
+    # Task 2 was re-created (rescheduled) while running: its old run must not overwrite it.
+    store.upsert_pending([new("A@m@2", NOW + 99_000)], NOW + 1)
+    outcomes = [
+        Outcome(by_key[k].id, k, "t", TaskStatus.DONE, NOW + 2, by_key[k].due_at_ms, None)
+        for k in ("A@m@1", "A@m@2")
+    ]
+    assert store.record(outcomes, NOW + 2) == 1
+    one, two = store.get("A@m@1"), store.get("A@m@2")
+    assert one is not None and one.status is TaskStatus.DONE and one.finished_at_ms == NOW + 2
+    assert two is not None and two.status is TaskStatus.PENDING and two.due_at_ms == NOW + 99_000
+
+
+def test_cancel_is_truthful_and_excludes_claim(store: Store) -> None:
+    store.upsert_pending([new("A@m@1"), new("A@m@2")], NOW)
+    store.claim(["A@m@2"], now_ms=NOW, lease_until_ms=NOW + 5, token="t")
+    assert store.cancel(["A@m@1", "A@m@2", "A@m@3"], NOW) == ["A@m@1"]
+    assert store.cancel(["A@m@1"], NOW) == []
+    assert store.claim(["A@m@1"], now_ms=NOW, lease_until_ms=NOW, token="t2") == []
+
+
+def test_release_gives_back_the_attempt(store: Store) -> None:
+    store.upsert_pending([new("A@m@1")], NOW)
+    (row,) = store.claim(["A@m@1"], now_ms=NOW, lease_until_ms=NOW + 5, token="t")
+    assert store.release([row.id], "t", NOW + 1) == 1
+    after = store.get("A@m@1")
+    assert after is not None and (after.status, after.attempts) == (TaskStatus.PENDING, 0)
+
+
+def test_expired_leases_are_found_and_requeued_once(store: Store) -> None:
+    store.upsert_pending([new("A@m@1"), new("A@m@2")], NOW)
+    store.claim(["A@m@1"], now_ms=NOW, lease_until_ms=NOW + 5, token="t")
+    store.claim(["A@m@2"], now_ms=NOW, lease_until_ms=NOW + 50_000, token="t")
+    (lost,) = store.expired_leases(NOW + 10)
+    assert lost.key == "A@m@1"
+    assert store.requeue_lost(lost, status=TaskStatus.PENDING, error="gone", now_ms=NOW + 10)
+    assert not store.requeue_lost(lost, status=TaskStatus.PENDING, error="gone", now_ms=NOW + 10)
+    row = store.get("A@m@1")
+    assert row is not None and (row.status, row.attempts, row.last_error) == (
+        TaskStatus.PENDING,
+        1,
+        "gone",
+    )
+
+
+def test_pending_pages_walk_every_row_once(store: Store) -> None:
+    store.upsert_pending([new(f"A@m@{i}") for i in range(25)], NOW)
+    seen: list[str] = []
+    after = 0
+    while page := store.pending_page(after_id=after, limit=10):
+        seen.extend(r.key for r in page)
+        after = page[-1].id
+    assert sorted(seen) == sorted(f"A@m@{i}" for i in range(25))
+    assert len(store.list_tasks(TaskStatus.PENDING, limit=5)) == 5
