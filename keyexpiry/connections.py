@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from keyexpiry.embedded import ensure_embedded_redis
 from keyexpiry.errors import RedisUnavailableError
@@ -32,6 +34,9 @@ def redis_client(url: str, settings: Settings, *, pubsub: bool = False) -> redis
     socket is noticed.
     """
     options: dict[str, object] = {
+        # redis-py's default retries back off for up to a minute; callers here retry themselves
+        # (the listener with its own logged backoff), so fail fast and say so.
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         "socket_connect_timeout": 5,
         "socket_timeout": None if pubsub else 10,
         "health_check_interval": int(settings.health_check_interval_s),

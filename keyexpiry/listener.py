@@ -132,6 +132,7 @@ class Listener:
         self._reconcile_idle = threading.Event()
         self._pubsub: Any = None
         self._connected_once = False
+        self._schema_ready = False
 
     # --- public -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -332,6 +333,10 @@ class Listener:
                 break
             self._reconcile_wanted.clear()
             try:
+                if not self._schema_ready:
+                    # Here, not in run(): a database that is down at start-up is retried.
+                    self.store.create_schema()
+                    self._schema_ready = True
                 report = self.reconciler.run()
                 self._regenerate_sentinels_if_needed()
                 backoff_s = self.settings.reconnect_initial_s

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.conftest import MariaDBFactory, RedisFactory, _require
+from tests.conftest import REDIS_SERVER, MariaDBFactory, RedisFactory, _require
 from tests.servers import (
     MariaDBServer,
     RedisServer,
@@ -196,7 +196,7 @@ def test_redis_restart_replaces_args(redis_factory: RedisFactory) -> None:
 
 
 def test_redis_bad_flag_reports_log(tmp_path: Path) -> None:
-    binary = _require("redis-server")
+    binary = _require(REDIS_SERVER)
     server = RedisServer(tmp_path, args=["--no-such-option", "1"], binary=binary)
     with pytest.raises(RuntimeError, match=r"(?s)exited with code.*no-such-option"):
         server.start()
@@ -204,7 +204,7 @@ def test_redis_bad_flag_reports_log(tmp_path: Path) -> None:
 
 
 def test_redis_port_taken_before_start(tmp_path: Path) -> None:
-    binary = _require("redis-server")
+    binary = _require(REDIS_SERVER)
     auto = RedisServer(tmp_path / "auto", binary=binary)
     taken = auto.port
     with socket.socket() as blocker:
@@ -407,7 +407,7 @@ def _reaped(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and prctl")
 @pytest.mark.parametrize("how", ["exit", "hang"], ids=["atexit", "sigkilled-parent"])
 def test_no_server_outlives_the_test_process(tmp_path: Path, how: str) -> None:
-    binary = _require("redis-server")
+    binary = _require(REDIS_SERVER)
     with (
         _child_subreaper(),
         subprocess.Popen(
