@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import redis
 from loguru import logger
 
+from keyexpiry.arming import arm_keys
 from keyexpiry.clock import Clock, monotonic_s
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import DoNotRetry, KeyExpiryError, Retry, StoreError, UnknownTaskError
 from keyexpiry.keys import parse_key
 from keyexpiry.registry import Registry, TaskSpec
-from keyexpiry.scheduler import arm
 from keyexpiry.settings import Settings
 from keyexpiry.store import Outcome, Store, TaskRow, TaskStatus
 
@@ -277,12 +277,13 @@ class Dispatcher:
             for row in rearm:
                 existing.exists(row.key)
             present = existing.execute()
-            pipe = self.redis.pipeline(transaction=False)
             missing = [r for r, p in zip(rearm, present, strict=True) if not p]
-            for row in missing:
-                arm(pipe, row.key, row.due_at_ms, self.clock.now_ms())
-            if missing:
-                pipe.execute()
+            arm_keys(
+                self.redis,
+                [(r.key, r.due_at_ms) for r in missing],
+                self.clock.now_ms(),
+                self.settings,
+            )
 
     def _timeout_s(self, spec: TaskSpec) -> float:
         return spec.options.timeout_s or self.settings.handler_timeout_s
@@ -464,11 +465,8 @@ class Dispatcher:
                 self.stats.retried += 1
         if retries:
             try:
-                pipe = self.redis.pipeline(transaction=False)
-                now_ms = self.clock.now_ms()
-                for o in retries:
-                    arm(pipe, o.key, o.due_at_ms, now_ms)
-                pipe.execute()
+                items = [(o.key, o.due_at_ms) for o in retries]
+                arm_keys(self.redis, items, self.clock.now_ms(), self.settings)
             except redis.RedisError as exc:
                 logger.warning(
                     "could not re-arm {} retry key(s): {}; reconciliation will", len(retries), exc
@@ -485,10 +483,9 @@ class Dispatcher:
         try:
             for token, group in by_token.items():
                 self.store.release([r.row.id for r in group], token, now_ms)
-            pipe = self.redis.pipeline(transaction=False)
-            for run in runs:
-                arm(pipe, run.row.key, run.row.due_at_ms, now_ms)
-            pipe.execute()
+            arm_keys(
+                self.redis, [(r.row.key, r.row.due_at_ms) for r in runs], now_ms, self.settings
+            )
         except (StoreError, redis.RedisError) as exc:
             logger.warning(
                 "could not release {} unstarted claim(s): {}; their leases will "

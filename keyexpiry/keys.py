@@ -114,6 +114,16 @@ def is_sentinel(key: str, prefix: str = "") -> bool:
     return key.startswith(prefix + SENTINEL_MARK)
 
 
+def driver_lock_key(prefix: str = "") -> str:
+    """The lock that elects one listener to drive expiries (so lookups are not multiplied)."""
+    return f"{prefix}#keyexpiry#driver"
+
+
+def wake_channel(db: int, prefix: str = "") -> str:
+    """Channel on which creators announce tasks due soon, so the driver needs no polling."""
+    return f"{prefix}#keyexpiry#wake@{db}"
+
+
 def expired_channel(db: int) -> str:
     """The keyevent channel on which Redis announces expired keys of database `db`."""
     return f"__keyevent@{db}__:expired"

@@ -18,11 +18,20 @@ from typing import Any
 import redis
 from loguru import logger
 
+from keyexpiry.arming import parse_wake
 from keyexpiry.clock import RedisClock, monotonic_s
 from keyexpiry.connections import open_store, redis_client, redis_db, resolve_redis_url
 from keyexpiry.dispatch import Dispatcher
+from keyexpiry.driver import ExpiryDriver
 from keyexpiry.errors import KeyExpiryError, RedisConfigError, StoreError
-from keyexpiry.keys import expired_channel, is_ours, is_sentinel, parse_key, sentinel_key
+from keyexpiry.keys import (
+    expired_channel,
+    is_ours,
+    is_sentinel,
+    parse_key,
+    sentinel_key,
+    wake_channel,
+)
 from keyexpiry.reconcile import Reconciler
 from keyexpiry.registry import Registry, default_registry
 from keyexpiry.settings import Settings, mask_url
@@ -121,6 +130,15 @@ class Listener:
             registry=self.registry,
             submit=self.dispatcher.submit,
         )
+        self.driver = ExpiryDriver(
+            store=self.store,
+            redis_client=self.redis,
+            clock=self.clock,
+            settings=settings,
+            owner=self.owner,
+        )
+        self.wake_channel = wake_channel(self.db, settings.key_prefix)
+        self._wake_channel_bytes = self.wake_channel.encode()
         self.subscribed = threading.Event()
         self.reconciles_done = 0
         self.gaps = 0
@@ -147,6 +165,8 @@ class Listener:
             self.settings.concurrency,
         )
         self.dispatcher.start()
+        if self.settings.driver:
+            self.driver.start()
         reconcile_thread = threading.Thread(
             target=self._reconcile_loop, name="keyexpiry-reconcile", daemon=True
         )
@@ -159,6 +179,7 @@ class Listener:
                 "listener stopping: finishing running handlers (up to {:g} s)",
                 self.settings.shutdown_timeout_s,
             )
+            self.driver.stop()
             self.dispatcher.stop(self.settings.shutdown_timeout_s)
             self._close_pubsub()
             self._reconcile_wanted.set()
@@ -200,7 +221,10 @@ class Listener:
         while msg is not None and count < _MAX_MESSAGES_PER_STEP:
             count += 1
             if msg.get("type") == "message":
-                self.handle_key(msg["data"])
+                if msg["channel"] == self._wake_channel_bytes:
+                    self.driver.note(parse_wake(msg["data"]))
+                else:
+                    self.handle_key(msg["data"])
             msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
         return count
 
@@ -270,14 +294,16 @@ class Listener:
         self.clock.sync()
         pubsub = self._sub_client.pubsub()  # type: ignore[no-untyped-call]
         self._pubsub = pubsub
-        pubsub.subscribe(self.channel)
+        channels = [self.channel, self.wake_channel] if self.settings.driver else [self.channel]
+        pubsub.subscribe(*channels)
+        confirmed = 0
         deadline = monotonic_s() + 10
-        while monotonic_s() < deadline:
+        while confirmed < len(channels):
+            if monotonic_s() > deadline:
+                raise redis.TimeoutError("no subscribe confirmation within 10 s")
             msg = pubsub.get_message(timeout=0.5)
             if msg is not None and msg.get("type") == "subscribe":
-                break
-        else:
-            raise redis.TimeoutError("no subscribe confirmation within 10 s")
+                confirmed += 1
         # redis-py silently reconnects and re-subscribes a dropped pubsub connection; this
         # callback is how we learn of that gap.
         pubsub.connection.register_connect_callback(self._on_reconnect)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import redis
 from loguru import logger
 
+from keyexpiry.arming import arm_keys
 from keyexpiry.clock import Clock
 from keyexpiry.registry import Registry
-from keyexpiry.scheduler import arm
 from keyexpiry.settings import Settings
 from keyexpiry.store import Store, TaskRow, TaskStatus
 
@@ -133,9 +133,6 @@ class Reconciler:
         report.rearmed += len(to_arm)
         if dry_run or not to_arm:
             return
-        pipe = self.redis.pipeline(transaction=False)
-        for row in to_arm:
-            arm(pipe, row.key, row.due_at_ms, now_ms)
-        pipe.execute()
+        arm_keys(self.redis, [(r.key, r.due_at_ms) for r in to_arm], now_ms, self.settings)
         for row in to_arm:
             logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")

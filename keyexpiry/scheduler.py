@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 
+from keyexpiry.arming import arm_keys
 from keyexpiry.clock import RedisClock
 from keyexpiry.connections import open_store, redis_client, resolve_redis_url
 from keyexpiry.errors import ArgumentError, RedisUnavailableError, UnknownTaskError
@@ -19,18 +20,6 @@ from keyexpiry.store import NewTask, Store, TaskRow, TaskStatus
 
 Target = str | Callable[..., Any]
 """A task method: the exposed function itself (`OrderTimeout.close_unpaid`) or `"Class.method"`."""
-
-
-def arm(pipe: Any, key: str, due_at_ms: int, now_ms: int) -> None:
-    """Queue the Redis writes that make `key` expire at `due_at_ms` (Redis clock) on `pipe`.
-
-    `SET … PXAT` expires the key at exactly the ledger's due time. A due time already past still
-    produces `expired` (never `del`, as an EXPIRE in the past would); the lookup forces Redis to
-    notice at once rather than at its next sweep.
-    """
-    pipe.set(key, b"", pxat=max(due_at_ms, 1))
-    if due_at_ms <= now_ms:
-        pipe.exists(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,10 +171,7 @@ class Client:
 
     def _arm(self, items: Sequence[tuple[str, int]], now_ms: int) -> None:
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for key, due in items:
-                arm(pipe, key, due, now_ms)
-            pipe.execute()
+            arm_keys(self.redis, items, now_ms, self.settings)
         except redis.RedisError as exc:
             raise RedisUnavailableError(
                 f"task recorded in the ledger but its Redis key was not set ({exc}); "

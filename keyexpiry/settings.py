@@ -62,6 +62,10 @@ class Settings:
     reconnect_max_s: float = 30.0
     health_check_interval_s: float = 10.0
     claim_batch: int = 256
+    driver: bool = True
+    driver_window_s: float = 60.0
+    driver_max_rows: int = 50_000
+    wake_ahead_s: float = 120.0
     configure_redis: bool = False
     log_level: str = "INFO"
 
@@ -111,6 +115,10 @@ class Settings:
             raise ConfigError(f"sentinel_count must be 0..100, got {self.sentinel_count}")
         if not 1 <= self.claim_batch <= 5000:
             raise ConfigError(f"claim_batch must be 1..5000, got {self.claim_batch}")
+        if self.driver_window_s <= 0 or self.wake_ahead_s < self.driver_window_s:
+            raise ConfigError("driver_window_s must be > 0 and at most wake_ahead_s")
+        if self.driver_max_rows < 100:
+            raise ConfigError(f"driver_max_rows must be >= 100, got {self.driver_max_rows}")
         if any(d < 0 for d in self.retry_schedule_s):
             raise ConfigError("retry_schedule_s delays must be >= 0 seconds")
         if "@" in self.key_prefix or len(self.key_prefix) > 64:

@@ -273,18 +273,18 @@ class Store:
             "last_error",
         )  # fmt: skip
         with self._tx() as conn:
-            # Several hundred rows per statement: one round trip instead of one per task.
-            for start in range(0, len(rows), 500):
-                chunk = rows[start : start + 500]
-                if conn.dialect.name == "sqlite":
-                    ins = sqlite.insert(T).values(chunk)
-                    stmt: Any = ins.on_conflict_do_update(
-                        index_elements=[T.c.task_key], set_={c: ins.excluded[c] for c in reset}
-                    )
-                else:
-                    mins = mysql.insert(T).values(chunk)
-                    stmt = mins.on_duplicate_key_update({c: mins.inserted[c] for c in reset})
-                conn.execute(stmt)
+            # One cached statement run as executemany: PyMySQL folds it into multi-row INSERTs
+            # and sqlite3 loops in C, so a bulk create costs a few round trips, not one per task.
+            if conn.dialect.name == "sqlite":
+                ins = sqlite.insert(T)
+                stmt: Any = ins.on_conflict_do_update(
+                    index_elements=[T.c.task_key], set_={c: ins.excluded[c] for c in reset}
+                )
+            else:
+                mins = mysql.insert(T)
+                stmt = mins.on_duplicate_key_update({c: mins.inserted[c] for c in reset})
+            for start in range(0, len(rows), 5000):
+                conn.execute(stmt, rows[start : start + 5000])
 
     def cancel(self, keys: Sequence[str], now_ms: int) -> list[str]:
         """Cancel those of `keys` that are pending; return the keys actually cancelled."""
@@ -442,6 +442,21 @@ class Store:
                 .limit(limit)
             ).all()
         return [_row(r) for r in rows]
+
+    def upcoming(self, *, after_ms: int, upto_ms: int, limit: int) -> list[tuple[str, int]]:
+        """(key, due) of pending rows due in (after_ms, upto_ms], earliest first."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T.c.task_key, T.c.due_at_ms)
+                .where(
+                    T.c.status == TaskStatus.PENDING.value,
+                    T.c.due_at_ms > after_ms,
+                    T.c.due_at_ms <= upto_ms,
+                )
+                .order_by(T.c.due_at_ms)
+                .limit(limit)
+            ).all()
+        return [(str(k), int(d)) for k, d in rows]
 
     def count_pending(self) -> int:
         """How many rows are pending."""

@@ -1,0 +1,49 @@
+"""Setting task keys in Redis so they expire at their due time, and announcing those due soon."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import redis
+
+from keyexpiry.connections import redis_db
+from keyexpiry.keys import wake_channel
+from keyexpiry.settings import Settings
+
+_WAKE_ENTRIES_PER_MESSAGE = 1000
+
+
+def arm_keys(
+    client: redis.Redis, items: Sequence[tuple[str, int]], now_ms: int, settings: Settings
+) -> None:
+    """In one pipeline: `SET key "" PXAT due_ms` for each (key, due_ms), a lookup for keys
+    already due, and a wake message for the driver listing those due within `wake_ahead_s`.
+
+    `PXAT` makes Redis expire the key at exactly the ledger's due time (on Redis's clock). A due
+    time already past still produces `expired` (never `del`, as an EXPIRE in the past would); the
+    lookup makes Redis notice at once rather than at its next sweep.
+    """
+    if not items:
+        return
+    pipe = client.pipeline(transaction=False)
+    soon: list[str] = []
+    horizon = now_ms + int(settings.wake_ahead_s * 1000)
+    for key, due_ms in items:
+        pipe.set(key, b"", pxat=max(due_ms, 1))
+        if due_ms <= now_ms:
+            pipe.exists(key)
+        elif due_ms <= horizon:
+            soon.append(f"{due_ms} {key}")
+    channel = wake_channel(redis_db(client), settings.key_prefix)
+    for start in range(0, len(soon), _WAKE_ENTRIES_PER_MESSAGE):
+        pipe.publish(channel, "\n".join(soon[start : start + _WAKE_ENTRIES_PER_MESSAGE]))
+    pipe.execute()
+
+
+def parse_wake(payload: bytes | str) -> Iterator[tuple[str, int]]:
+    """(key, due_ms) pairs from a wake message; malformed lines are skipped."""
+    text = payload.decode("ascii", "replace") if isinstance(payload, bytes) else payload
+    for line in text.split("\n"):
+        due, _, key = line.partition(" ")
+        if key and due.isdigit():
+            yield key, int(due)

@@ -1,0 +1,197 @@
+"""The expiry driver: make Redis announce each task key at its due time, not whenever it notices.
+
+Redis publishes `expired` only when it deletes a key: on a lookup, or in a background sweep that
+samples about 20 keys per tick. Among many keys with far-away TTLs a due key can wait minutes.
+The driver keeps a window of upcoming (key, due) pairs read from the ledger's (status, due_at_ms)
+index, sleeps until the next due time, and looks the due keys up (PTTL), which makes Redis expire
+them and publish `expired` on the spot. The event stays the one dispatch path.
+
+Tasks created after a window was read arrive through the wake channel (creators publish tasks due
+soon). One listener at a time drives, elected by a Redis lock, so lookups are not multiplied.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Iterable
+
+import redis
+from loguru import logger
+
+from keyexpiry.clock import Clock
+from keyexpiry.errors import StoreError
+from keyexpiry.keys import driver_lock_key
+from keyexpiry.settings import Settings
+from keyexpiry.store import Store
+
+# A key still alive this close to its due time is looked up again at its real expiry time;
+# beyond it the task was rescheduled (the wake channel or the next read brings the new time).
+_RECHECK_MS = 50
+_LOOKUP_BATCH = 1000
+_LEASE_MS = 5000
+_RENEW = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
+"""
+
+
+class ExpiryDriver:
+    """Looks due keys up at their due time; bounded to `driver_max_rows` upcoming entries."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        redis_client: redis.Redis,
+        clock: Clock,
+        settings: Settings,
+        owner: str,
+    ) -> None:
+        self.store = store
+        self.redis = redis_client
+        self.clock = clock
+        self.settings = settings
+        self.owner = owner
+        self.lookups = 0
+        self.forced = 0
+        self.is_leader = False
+        self._heap: list[tuple[int, str]] = []
+        self._lock = threading.Lock()
+        self._horizon_ms = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._renew = self.redis.register_script(_RENEW)
+        self._lock_key = driver_lock_key(settings.key_prefix)
+        self._lease_checked_ms = 0
+
+    def start(self) -> None:
+        """Run the driver on its own thread."""
+        self._thread = threading.Thread(target=self._loop, name="keyexpiry-driver", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop and give up the lock so another listener takes over at once."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.is_leader:
+            try:
+                if self.redis.get(self._lock_key) == self.owner.encode():
+                    self.redis.delete(self._lock_key)
+            except redis.RedisError:
+                pass
+
+    def note(self, items: Iterable[tuple[str, int]]) -> None:
+        """Tasks announced on the wake channel: track those inside the current window."""
+        if not self.is_leader:
+            return
+        added = False
+        with self._lock:
+            for key, due_ms in items:
+                # Beyond the horizon the next window read finds it; inside, only this note does.
+                if due_ms <= self._horizon_ms and len(self._heap) < self.settings.driver_max_rows:
+                    heapq.heappush(self._heap, (due_ms, key))
+                    added = True
+        if added:
+            self._wake.set()
+
+    def pending_count(self) -> int:
+        """Entries waiting in the window (for status and the benchmark)."""
+        with self._lock:
+            return len(self._heap)
+
+    # --- loop ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        backoff_s = self.settings.reconnect_initial_s
+        while not self._stop.is_set():
+            try:
+                timeout_s = self._step()
+                backoff_s = self.settings.reconnect_initial_s
+            except (redis.RedisError, StoreError, OSError) as exc:
+                logger.warning("expiry driver: {}; retrying in {:.1f} s", exc, backoff_s)
+                timeout_s = backoff_s
+                backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
+            except Exception:
+                logger.exception("expiry driver failed; retrying")
+                timeout_s = backoff_s
+            self._wake.wait(timeout_s)
+            self._wake.clear()
+
+    def _step(self) -> float:
+        """One pass: keep the lock, read the window, look due keys up; return seconds to sleep."""
+        now_ms = self.clock.now_ms()
+        if not self._hold_lock(now_ms):
+            return 1.0
+        window_ms = int(self.settings.driver_window_s * 1000)
+        if self._horizon_ms - now_ms < window_ms // 2:
+            self._read_window(now_ms, window_ms)
+        due: list[tuple[int, str]] = []
+        with self._lock:
+            while self._heap and self._heap[0][0] <= now_ms:
+                due.append(heapq.heappop(self._heap))
+        if due:
+            self._look_up(due, now_ms)
+            return 0.0
+        with self._lock:
+            next_due = self._heap[0][0] if self._heap else None
+        next_read = self._horizon_ms - window_ms // 2
+        wake_at = min(next_due if next_due is not None else next_read, next_read)
+        # Re-check the lock at least once a second; never sleep past the next due time.
+        return max(0.0, min((wake_at - self.clock.now_ms()) / 1000.0, 1.0))
+
+    def _hold_lock(self, now_ms: int) -> bool:
+        if self.is_leader and now_ms - self._lease_checked_ms < _LEASE_MS // 5:
+            return True
+        held = bool(self._renew(keys=[self._lock_key], args=[self.owner, _LEASE_MS]))
+        self._lease_checked_ms = now_ms
+        if held and not self.is_leader:
+            logger.info("expiry driver: this listener drives expiries")
+            # Pick up from a little in the past: what the previous driver may not have reached.
+            with self._lock:
+                self._heap.clear()
+                self._horizon_ms = now_ms - 5000
+        elif not held and self.is_leader:
+            logger.info("expiry driver: another listener took over")
+            with self._lock:
+                self._heap.clear()
+        self.is_leader = held
+        return held
+
+    def _read_window(self, now_ms: int, window_ms: int) -> None:
+        upto = now_ms + window_ms
+        with self._lock:
+            room = self.settings.driver_max_rows - len(self._heap)
+            after = self._horizon_ms
+        if room <= 0:
+            return
+        rows = self.store.upcoming(after_ms=after, upto_ms=upto, limit=room)
+        with self._lock:
+            for key, due_ms in rows:
+                heapq.heappush(self._heap, (due_ms, key))
+            # A full read stops at its last due time, so nothing between is skipped.
+            self._horizon_ms = rows[-1][1] if len(rows) == room else upto
+
+    def _look_up(self, due: list[tuple[int, str]], now_ms: int) -> None:
+        for start in range(0, len(due), _LOOKUP_BATCH):
+            chunk = due[start : start + _LOOKUP_BATCH]
+            pipe = self.redis.pipeline(transaction=False)
+            for _, key in chunk:
+                pipe.pttl(key)
+            results = pipe.execute()
+            self.lookups += len(chunk)
+            again: list[tuple[int, str]] = []
+            for (_, key), pttl in zip(chunk, results, strict=True):
+                pttl = int(pttl)
+                if pttl == -2:
+                    self.forced += 1  # expired by this lookup (or already gone)
+                elif 0 <= pttl <= _RECHECK_MS:
+                    again.append((now_ms + pttl + 1, key))  # our clock is a hair early
+            if again:
+                with self._lock:
+                    for item in again:
+                        heapq.heappush(self._heap, item)

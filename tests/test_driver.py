@@ -1,0 +1,127 @@
+"""The expiry driver: prompt events among many far-future keys, bulk paths, bursts, races."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.store import TaskStatus
+from tests import sample_tasks
+from tests.conftest import RedisFactory
+from tests.ke import Running, make_settings, wait_status
+from tests.servers import wait_until
+
+StartListener = Callable[[Settings], Running]
+
+_FILL = """
+for i = 1, tonumber(ARGV[1]) do
+  redis.call('set', 'other:' .. i, '', 'EX', 86400)
+end
+return 1
+"""
+
+
+def _fill_far_future_keys(client: redis.Redis, count: int) -> None:
+    """Keys of another application with TTLs a day away: Redis's sweep samples these."""
+    client.eval(_FILL, 0, count)  # type: ignore[no-untyped-call]
+
+
+def _lateness_ms(c: Client, keys: list[str]) -> list[int]:
+    rows = c.store.get_many(keys)
+    return [rows[k].started_at_ms - rows[k].due_at_ms for k in keys]  # type: ignore[operator]
+
+
+def test_a_task_hidden_among_far_future_keys_fires_promptly_with_the_driver(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    server = redis_factory()
+    cfg = make_settings(server.url(), db_url, tmp_path)
+    with Client(cfg) as c:
+        _fill_far_future_keys(c.redis, 100_000)
+        running = start_listener(cfg)
+        # Created after the listener read its window: they reach the driver by the wake channel.
+        keys = [c.create("Probe.record", f"hidden{i}", ttl_ms=300 + 20 * i) for i in range(10)]
+        for key in keys:
+            wait_status(c, key, TaskStatus.DONE, timeout_s=10)
+        assert max(_lateness_ms(c, keys)) < 1000
+        assert running.listener.driver.forced >= 10
+
+
+def test_without_the_driver_redis_alone_announces_hidden_keys_late(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    server = redis_factory()
+    cfg = make_settings(server.url(), db_url, tmp_path, driver=False)
+    with Client(cfg) as c:
+        _fill_far_future_keys(c.redis, 100_000)
+        start_listener(cfg)
+        keys = [c.create("Probe.record", f"hidden{i}", ttl_ms=200) for i in range(10)]
+        control = c.create("Probe.record", "control", at=None, ttl_ms=1500)
+        c.redis.pttl(control)  # nothing yet: due later
+        wait_until(lambda: c.clock.now_ms() > c.store.get(control).due_at_ms, 5)  # type: ignore[union-attr]
+        c.redis.exists(control)  # a lookup forces this one, as the driver would
+        wait_status(c, control, TaskStatus.DONE)
+        # 1.3 s after their due time, Redis's sampling sweep has found few or none of them.
+        rows = c.store.get_many(keys)
+        assert sum(r.status is TaskStatus.DONE for r in rows.values()) < len(keys)
+
+
+def test_tasks_created_before_the_listener_starts_fire_on_time(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    keys = client.create_many(
+        TaskRequest("Probe.record", (f"early{i}",), ttl_ms=800 + i) for i in range(20)
+    )
+    start_listener(settings)
+    for key in keys:
+        wait_status(client, key, TaskStatus.DONE)
+    assert max(_lateness_ms(client, keys)) < 500
+
+
+def test_bulk_create_and_bulk_cancel(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    keys = client.create_many(
+        TaskRequest("Probe.record", (f"bulk{i}",), ttl_ms=1500) for i in range(2000)
+    )
+    assert len(keys) == 2000 and client.store.count_pending() == 2000
+    assert client.redis.exists(*keys) == 2000
+    cancelled = client.cancel_keys(keys[::2])
+    assert sorted(cancelled) == sorted(keys[::2])
+    assert client.redis.exists(*keys[::2]) == 0
+    start_listener(settings)
+    wait_until(lambda: client.store.counts().get("done", 0) == 1000, 20)
+    assert sum(sample_tasks.CALLS.values()) == 1000
+    assert all(sample_tasks.CALLS[k] == 0 for k in keys[::2])
+
+
+def test_driver_lookups_racing_a_fast_sweep_never_run_a_task_twice(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    server = redis_factory(args=["--hz", "500"])  # Redis sweeps as hard as it can
+    cfg = make_settings(server.url(), db_url, tmp_path)
+    with Client(cfg) as c:
+        first, second = start_listener(cfg), start_listener(cfg)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"race{i}",), ttl_ms=200 + i % 300) for i in range(1500)
+        )
+        wait_until(lambda: c.store.counts().get("done", 0) == 1500, 30)
+        assert all(sample_tasks.CALLS[k] == 1 for k in keys)
+        # One listener drives; the other does not repeat its lookups.
+        drivers = [first.listener.driver, second.listener.driver]
+        assert sum(d.is_leader for d in drivers) == 1
+
+
+def test_a_burst_due_in_the_same_instant_all_runs_once(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    start_listener(settings.replace(concurrency=16))
+    keys = client.create_many(
+        TaskRequest("Probe.record", (f"burst{i}",), ttl_ms=300) for i in range(5000)
+    )
+    wait_until(lambda: client.store.counts().get("done", 0) == 5000, 60)
+    assert len(sample_tasks.CALLS) == 5000 and set(sample_tasks.CALLS.values()) == {1}
+    assert set(keys) == set(sample_tasks.CALLS)
