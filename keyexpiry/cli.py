@@ -334,6 +334,32 @@ def demo(ctx: typer.Context) -> None:
         raise KeyExpiryError("some demo tasks did not finish in time")
 
 
+@app.command()
+@_errors
+def bench(
+    scenario: list[str] = typer.Option(
+        None, "--scenario", help="steady, sparse, burst, throughput, create (default: all)."
+    ),
+    runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
+    backend: str = typer.Option("mariadb", "--backend", help="mariadb or sqlite."),
+    quick: bool = typer.Option(False, "--quick", help="A fifth of the sizes."),
+    out: Path = typer.Option(Path("bench-results/latest.json"), "--json", help="Write here."),
+) -> None:
+    """Benchmark against real servers started for the run (from the repository root)."""
+    load_task_modules(())
+    try:
+        from bench.run import SCENARIOS, run
+    except ImportError as exc:
+        raise ConfigError(f"the benchmark lives in bench/: run it from the repository root ({exc})")
+    names = list(scenario or SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown or backend not in ("mariadb", "sqlite"):
+        raise ConfigError(f"unknown scenario/backend: {unknown or backend}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run(names, runs=runs, backend=backend, quick=quick, out=out)
+    typer.echo(f"figures written to {out}")
+
+
 def main() -> None:
     """Console entry point."""
     app()

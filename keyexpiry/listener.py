@@ -218,13 +218,15 @@ class Listener:
         pubsub = self._pubsub
         msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
         count = 0
-        while msg is not None and count < _MAX_MESSAGES_PER_STEP:
+        while msg is not None:
             count += 1
             if msg.get("type") == "message":
                 if msg["channel"] == self._wake_channel_bytes:
                     self.driver.note(parse_wake(msg["data"]))
                 else:
                     self.handle_key(msg["data"])
+            if count >= _MAX_MESSAGES_PER_STEP:
+                break  # a message read is always handled; the rest waits for the next step
             msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
         return count
 

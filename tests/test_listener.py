@@ -7,7 +7,7 @@ from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
-from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry import Client, Listener, Settings, TaskRequest
 from keyexpiry.keys import sentinel_key
 from keyexpiry.store import TaskStatus
 from tests import sample_tasks
@@ -247,3 +247,28 @@ def test_redis_restarted_empty_gets_pending_keys_back(
             row = wait_status(c, key, TaskStatus.DONE, timeout_s=15)
             assert row.started_at_ms is not None and row.started_at_ms >= row.due_at_ms
             assert sample_tasks.CALLS[key] == 1
+
+
+def test_every_event_read_in_one_step_is_handled_even_past_the_step_limit(
+    settings: Settings,
+) -> None:
+    listener = Listener(settings)
+    try:
+        listener._connect()  # subscribe without starting the threads: step() is driven by hand
+        publisher = listener.redis
+        keys = [f"Probe@record@step{i}" for i in range(6001)]
+        pipe = publisher.pipeline(transaction=False)
+        for key in keys:
+            pipe.publish(listener.channel, key)
+        pipe.execute()
+        handled = 0
+        while handled < len(keys):
+            got = listener.step(timeout_s=1.0)
+            assert got > 0, f"only {handled} of {len(keys)} events arrived"
+            handled += got
+        assert listener.dispatcher.stats.submitted == len(keys)
+    finally:
+        listener._close_pubsub()
+        listener.redis.close()
+        listener._sub_client.close()
+        listener.store.engine.dispose()

@@ -1,0 +1,1 @@
+"""`keyexpiry bench`: scenario benchmarks against real redis-server, MariaDB and SQLite."""

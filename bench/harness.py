@@ -1,0 +1,249 @@
+"""Servers, a listener process and measurements shared by the scenarios."""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+from sqlalchemy import delete, func, select, text
+
+import bench.tasks  # noqa: F401 - registers Bench.noop
+from keyexpiry import Client, Settings
+from keyexpiry.store import T, TaskStatus
+from tests.servers import MariaDBServer, RedisServer, find_binary
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50/p90/p99/max of `values` (empty: all NaN)."""
+    if not values:
+        return {k: float("nan") for k in ("p50", "p90", "p99", "max")}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+    return {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99), "max": ordered[-1]}
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-metric median across runs (numbers only)."""
+    keys = runs[0].keys()
+    out: dict[str, Any] = {}
+    for k in keys:
+        vals = [r[k] for r in runs if isinstance(r.get(k), int | float)]
+        out[k] = statistics.median(vals) if vals else runs[0][k]
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    rs = find_binary("redis-server")
+    ver = subprocess.run([rs or "redis-server", "--version"], capture_output=True, text=True).stdout
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "redis": ver.split()[2] if ver else "?",
+        "mariadb": subprocess.run(
+            [find_binary("mariadbd") or "mariadbd", "--version"], capture_output=True, text=True
+        ).stdout.strip(),
+    }
+
+
+@dataclass
+class Servers:
+    """One redis-server and one MariaDB for the whole benchmark."""
+
+    redis: RedisServer
+    mariadb: MariaDBServer | None
+    workdir: Path
+
+    def fresh(self, backend: str) -> tuple[str, str]:
+        """Flushed Redis and an empty ledger database; returns (redis_url, db_url)."""
+        client = self.redis.client()
+        client.flushall()
+        client.close()
+        if backend == "sqlite":
+            path = self.workdir / f"ledger-{secrets.token_hex(3)}.sqlite3"
+            return self.redis.url(), f"sqlite:///{path}"
+        assert self.mariadb is not None
+        return self.redis.url(), self.mariadb.create_database(f"b_{secrets.token_hex(4)}")
+
+
+@contextmanager
+def servers(with_mariadb: bool = True) -> Iterator[Servers]:
+    """Start the servers in a temporary directory; stop and remove them afterwards."""
+    workdir = Path(tempfile.mkdtemp(prefix="keyexpiry-bench-"))
+    rs = RedisServer(workdir / "redis", binary=find_binary("redis-server") or "redis-server")
+    rs.start()
+    maria = None
+    if with_mariadb:
+        maria = MariaDBServer(workdir / "mariadb")
+        maria.start()
+    try:
+        yield Servers(rs, maria, workdir)
+    finally:
+        rs.stop()
+        if maria is not None:
+            maria.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def settings_for(redis_url: str, db_url: str, **overrides: Any) -> Settings:
+    """Benchmark settings: the defaults, no sentinels (a run is shorter than one interval)."""
+    return Settings(redis_url=redis_url, database_url=db_url, sentinel_count=0, **overrides)
+
+
+@dataclass
+class ListenerProcess:
+    """`keyexpiry listen` in its own process, so its CPU and memory are measured alone."""
+
+    redis_url: str
+    db_url: str
+    driver: bool
+    concurrency: int = 8
+    proc: subprocess.Popen[bytes] | None = None
+    rss_max_mb: float = 0.0
+    _sampler: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _cpu_start: float = 0.0
+
+    def __enter__(self) -> ListenerProcess:
+        env = {
+            **os.environ,
+            "KEYEXPIRY_REDIS_URL": self.redis_url,
+            "KEYEXPIRY_DATABASE_URL": self.db_url,
+            "KEYEXPIRY_DRIVER": "true" if self.driver else "false",
+            "KEYEXPIRY_SENTINEL_COUNT": "0",
+            "KEYEXPIRY_LOG_LEVEL": "WARNING",
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "keyexpiry",
+                "listen",
+                "--tasks",
+                "bench.tasks",
+                "--concurrency",
+                str(self.concurrency),
+            ],
+            cwd=ROOT,
+            env=env,
+        )
+        self._ps = psutil.Process(self.proc.pid)
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def wait_subscribed(self, client: redis.Redis, timeout_s: float = 20) -> None:
+        """Until the listener has subscribed (its pubsub client shows up)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if int(client.pubsub_numsub("__keyevent@0__:expired")[0][1]) > 0:
+                time.sleep(0.3)  # let start-up reconciliation finish
+                self._cpu_start = self.cpu_s()
+                return
+            time.sleep(0.02)
+        raise RuntimeError("listener did not subscribe")
+
+    def cpu_s(self) -> float:
+        """CPU seconds the listener used so far."""
+        t = self._ps.cpu_times()
+        return float(t.user + t.system)
+
+    def cpu_since_start(self) -> float:
+        """CPU seconds since it subscribed."""
+        return self.cpu_s() - self._cpu_start
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.rss_max_mb = max(self.rss_max_mb, self._ps.memory_info().rss / 2**20)
+            except psutil.Error:
+                return
+            self._stop.wait(0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def count_status(client: Client, status: TaskStatus) -> int:
+    """Rows in `status`."""
+    with client.store.engine.connect() as conn:
+        return int(
+            conn.execute(select(func.count()).where(T.c.status == status.value)).scalar_one()
+        )
+
+
+def wait_done(client: Client, expected: int, cap_s: float) -> float:
+    """Wait until `expected` rows are done or `cap_s` passes; return seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < cap_s:
+        if count_status(client, TaskStatus.DONE) >= expected:
+            break
+        time.sleep(0.25)
+    return time.monotonic() - start
+
+
+def lateness_and_rate(client: Client, key_like: str) -> dict[str, Any]:
+    """Lateness (ms, claim time minus due time) and tasks/s of done rows whose key matches."""
+    with client.store.engine.connect() as conn:
+        rows = conn.execute(
+            select(T.c.due_at_ms, T.c.started_at_ms, T.c.finished_at_ms).where(
+                T.c.status == TaskStatus.DONE.value, T.c.task_key.like(key_like)
+            )
+        ).all()
+    late = [float(r.started_at_ms - r.due_at_ms) for r in rows]
+    out: dict[str, Any] = {f"late_{k}_ms": v for k, v in percentiles(late).items()}
+    out["fired"] = len(rows)
+    if len(rows) > 1:
+        span_s = (max(r.finished_at_ms for r in rows) - min(r.started_at_ms for r in rows)) / 1000
+        out["tasks_per_s"] = len(rows) / span_s if span_s > 0 else float("nan")
+    return out
+
+
+def redis_used_bytes(client: redis.Redis) -> int:
+    """Redis used_memory."""
+    return int(client.info("memory")["used_memory"])
+
+
+def purge(client: Client, key_like: str) -> None:
+    """Remove the benchmark rows (and their keys) matching `key_like`."""
+    with client.store.engine.begin() as conn:
+        keys = [r[0] for r in conn.execute(select(T.c.task_key).where(T.c.task_key.like(key_like)))]
+        conn.execute(delete(T).where(T.c.task_key.like(key_like)))
+    for start in range(0, len(keys), 5000):
+        client.redis.delete(*keys[start : start + 5000])
+
+
+def analyze(client: Client) -> None:
+    """Refresh table statistics after bulk loads (MariaDB)."""
+    if client.store.engine.dialect.name != "sqlite":
+        with client.store.engine.begin() as conn:
+            conn.execute(text("ANALYZE TABLE time_limit_task"))

@@ -1,0 +1,128 @@
+"""Run the scenarios (driver on and off, several runs each), print a table, write JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import scenarios
+from bench.harness import machine, median_of, servers
+
+SCENARIOS = ("steady", "sparse", "burst", "throughput", "create")
+
+
+def _runs(label: str, runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    results = []
+    for i in range(runs):
+        t = time.monotonic()
+        results.append(fn())
+        print(
+            f"  {label} run {i + 1}/{runs}: {_short(results[-1])} ({time.monotonic() - t:.0f} s)",
+            flush=True,
+        )
+    return {"median": median_of(results), "runs": results}
+
+
+def _short(r: dict[str, Any]) -> str:
+    keys = (
+        "late_p50_ms",
+        "late_p99_ms",
+        "late_max_ms",
+        "fired",
+        "tasks_per_s",
+        "single_per_s",
+        "bulk_per_s",
+        "redis_bytes_per_task",
+    )
+    return ", ".join(
+        f"{k}={r[k]:.0f}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r
+    )
+
+
+def run(names: list[str], *, runs: int, backend: str, quick: bool, out: Path) -> dict[str, Any]:
+    """Run `names` and return (and write to `out`) every figure."""
+    size = 0.2 if quick else 1.0
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "backend": backend,
+        "runs": runs,
+        "quick": quick,
+        "scenarios": {},
+    }
+    with servers(with_mariadb=backend == "mariadb") as srv:
+        for name in names:
+            print(f"{name}:", flush=True)
+            res: dict[str, Any] = {}
+            if name == "create":
+                res["default"] = _runs(
+                    "create",
+                    runs,
+                    lambda: scenarios.create_rates(
+                        srv, backend, single=int(2000 * size), bulk=int(100_000 * size)
+                    ),
+                )
+            elif name == "sparse":
+                for others in [100_000] if quick else [100_000, 1_000_000]:
+                    urls = scenarios.prepare_sparse(srv, backend, others)
+                    for driver in (True, False):
+                        label = f"N={others} driver={'on' if driver else 'off'}"
+                        res[label] = _runs(
+                            label,
+                            runs,
+                            lambda d=driver, u=urls: scenarios.due_wave(
+                                srv, u, driver=d, n=int(10_000 * size), span_s=10 * size, cap_s=60
+                            ),
+                        )
+            else:
+                for driver in (True, False):
+                    label = f"driver={'on' if driver else 'off'}"
+                    if name == "steady":
+                        kw = {"n": int(10_000 * size), "span_s": 10 * size, "cap_s": 60}
+                    elif name == "burst":
+                        kw = {"n": int(100_000 * size), "span_s": 1.0, "cap_s": 60, "lead_s": 8}
+                    else:  # throughput: everything due at once, rate is what counts
+                        kw = {"n": int(30_000 * size), "span_s": 0.0, "cap_s": 60, "lead_s": 5}
+                    res[label] = _runs(
+                        label,
+                        runs,
+                        lambda d=driver, k=kw: scenarios.due_wave(
+                            srv, srv.fresh(backend), driver=d, **k
+                        ),
+                    )
+            report["scenarios"][name] = res
+            out.write_text(json.dumps(report, indent=2, default=str))
+    print_table(report)
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """The medians, one line per scenario and variant."""
+    cols = (
+        "late_p50_ms",
+        "late_p90_ms",
+        "late_p99_ms",
+        "late_max_ms",
+        "fired",
+        "tasks_per_s",
+        "listener_cpu_s",
+        "listener_rss_mb",
+        "single_per_s",
+        "bulk_per_s",
+        "redis_bytes_per_task",
+    )
+    print(f"\nmedians of {report['runs']} run(s), backend {report['backend']}")
+    print(
+        f"{'scenario':<34}"
+        + "".join(f"{c.replace('_ms', '').replace('late_', ''):>14}" for c in cols)
+    )
+    for name, variants in report["scenarios"].items():
+        for variant, data in variants.items():
+            m = data["median"]
+            cells = "".join(
+                f"{m[c]:>14.1f}" if isinstance(m.get(c), float) else f"{m.get(c, ''):>14}"
+                for c in cols
+            )
+            print(f"{name + ' ' + variant:<34}{cells}")

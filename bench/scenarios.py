@@ -1,0 +1,128 @@
+"""The benchmark scenarios; each returns one dict of figures per run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from keyexpiry import Client, TaskRequest
+from keyexpiry.store import TaskStatus
+
+from bench.harness import (
+    ListenerProcess,
+    Servers,
+    analyze,
+    count_status,
+    lateness_and_rate,
+    purge,
+    redis_used_bytes,
+    settings_for,
+    wait_done,
+)
+
+NOOP = "Bench@noop@%"
+CHUNK = 10_000
+
+
+def _create_wave(client: Client, n: int, first_due_ms: int, span_ms: int) -> float:
+    """Create `n` noop tasks due evenly over [first_due, first_due + span]; return seconds taken."""
+    start = time.perf_counter()
+    step = span_ms / max(n - 1, 1)
+    now = client.clock.now_ms()
+    for base in range(0, n, CHUNK):
+        client.create_many(
+            TaskRequest("Bench.noop", (i,), ttl_ms=int(first_due_ms + i * step) - now)
+            for i in range(base, min(n, base + CHUNK))
+        )
+    return time.perf_counter() - start
+
+
+def _create_others(client: Client, n: int) -> None:
+    """`n` pending tasks due a day from now, for Redis's sweep to wade through."""
+    for base in range(0, n, CHUNK):
+        client.create_many(
+            TaskRequest("Bench.other", (i,), ttl_s=86_400 + i % 3600)
+            for i in range(base, min(n, base + CHUNK))
+        )
+    analyze(client)
+
+
+def due_wave(
+    srv: Servers,
+    urls: tuple[str, str],
+    *,
+    driver: bool,
+    n: int,
+    span_s: float,
+    cap_s: float,
+    lead_s: float = 3.0,
+    concurrency: int = 8,
+) -> dict[str, Any]:
+    """`n` tasks due over `span_s` seconds; lateness, rate, listener CPU/RSS, fired by the cap."""
+    redis_url, db_url = urls
+    with (
+        Client(settings_for(redis_url, db_url)) as client,
+        ListenerProcess(redis_url, db_url, driver, concurrency) as listener,
+    ):
+        listener.wait_subscribed(client.redis)
+        first_due = client.clock.now_ms() + int(lead_s * 1000)
+        create_s = _create_wave(client, n, first_due, int(span_s * 1000))
+        wait_s = max(0.0, (first_due - client.clock.now_ms()) / 1000)
+        waited = wait_done(client, n, cap_s=wait_s + span_s + cap_s)
+        cpu_s = listener.cpu_since_start()
+        figures = lateness_and_rate(client, NOOP)
+        figures.update(
+            n=n,
+            create_s=round(create_s, 3),
+            all_fired=figures["fired"] == n,
+            waited_s=round(waited, 1),
+            listener_cpu_s=round(cpu_s, 2),
+            listener_rss_mb=round(listener.rss_max_mb, 1),
+            max_attempts=_max_attempts(client),
+        )
+        purge(client, NOOP)
+    return figures
+
+
+def _max_attempts(client: Client) -> int:
+    from sqlalchemy import func, select
+
+    from keyexpiry.store import T
+
+    with client.store.engine.connect() as conn:
+        got = conn.execute(select(func.max(T.c.attempts)).where(T.c.task_key.like(NOOP))).scalar()
+    return int(got or 0)
+
+
+def create_rates(srv: Servers, backend: str, *, single: int, bulk: int) -> dict[str, Any]:
+    """Tasks/s for one-at-a-time and bulk create, and Redis bytes per pending task."""
+    redis_url, db_url = srv.fresh(backend)
+    with Client(settings_for(redis_url, db_url)) as client:
+        start = time.perf_counter()
+        for i in range(single):
+            client.create("Bench.other", i, ttl_s=86_400)
+        single_rate = single / (time.perf_counter() - start)
+        before = redis_used_bytes(client.redis)
+        start = time.perf_counter()
+        for base in range(single, single + bulk, CHUNK):
+            client.create_many(
+                TaskRequest("Bench.other", (i,), ttl_s=86_400)
+                for i in range(base, min(single + bulk, base + CHUNK))
+            )
+        bulk_rate = bulk / (time.perf_counter() - start)
+        per_task = (redis_used_bytes(client.redis) - before) / bulk
+        pending = count_status(client, TaskStatus.PENDING)
+    return {
+        "single_per_s": round(single_rate),
+        "bulk_per_s": round(bulk_rate),
+        "redis_bytes_per_task": round(per_task, 1),
+        "pending": pending,
+    }
+
+
+def prepare_sparse(srv: Servers, backend: str, others: int) -> tuple[str, str]:
+    """A Redis and ledger holding `others` pending tasks due a day from now."""
+    urls = srv.fresh(backend)
+    with Client(settings_for(*urls)) as client:
+        _create_others(client, others)
+    return urls
