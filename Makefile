@@ -27,13 +27,13 @@ servers:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server mariadb-server; }
 
 lint: $(STAMP)
-	$(BIN)/ruff check keyexpiry tasks tests
-	$(BIN)/ruff format --check keyexpiry tasks tests
+	$(BIN)/ruff check keyexpiry tasks tests bench
+	$(BIN)/ruff format --check keyexpiry tasks tests bench
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff format keyexpiry tasks tests
-	$(BIN)/ruff check --fix keyexpiry tasks tests
+	$(BIN)/ruff format keyexpiry tasks tests bench
+	$(BIN)/ruff check --fix keyexpiry tasks tests bench
 
 ## test: the whole suite against real servers (installs what it needs)
 test: $(STAMP) servers lint

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import scenarios
-from bench.harness import machine, median_of, servers
+from bench.harness import Servers, machine, median_of, servers
 
 SCENARIOS = ("steady", "sparse", "burst", "throughput", "create")
 
@@ -42,6 +43,10 @@ def _short(r: dict[str, Any]) -> str:
     )
 
 
+def _fresh_wave(srv: Servers, backend: str, driver: bool, kw: dict[str, Any]) -> dict[str, Any]:
+    return scenarios.due_wave(srv, srv.fresh(backend), driver=driver, **kw)
+
+
 def run(names: list[str], *, runs: int, backend: str, quick: bool, out: Path) -> dict[str, Any]:
     """Run `names` and return (and write to `out`) every figure."""
     size = 0.2 if quick else 1.0
@@ -72,15 +77,25 @@ def run(names: list[str], *, runs: int, backend: str, quick: bool, out: Path) ->
                         res[label] = _runs(
                             label,
                             runs,
-                            lambda d=driver, u=urls: scenarios.due_wave(
-                                srv, u, driver=d, n=int(10_000 * size), span_s=10 * size, cap_s=60
+                            functools.partial(
+                                scenarios.due_wave,
+                                srv,
+                                urls,
+                                driver=driver,
+                                n=int(10_000 * size),
+                                span_s=10 * size,
+                                cap_s=60,
                             ),
                         )
             else:
                 for driver in (True, False):
                     label = f"driver={'on' if driver else 'off'}"
                     if name == "steady":
-                        kw = {"n": int(10_000 * size), "span_s": 10 * size, "cap_s": 60}
+                        kw: dict[str, Any] = {
+                            "n": int(10_000 * size),
+                            "span_s": 10 * size,
+                            "cap_s": 60,
+                        }
                     elif name == "burst":
                         kw = {"n": int(100_000 * size), "span_s": 1.0, "cap_s": 60, "lead_s": 8}
                     else:  # throughput: everything due at once, rate is what counts
@@ -88,9 +103,7 @@ def run(names: list[str], *, runs: int, backend: str, quick: bool, out: Path) ->
                     res[label] = _runs(
                         label,
                         runs,
-                        lambda d=driver, k=kw: scenarios.due_wave(
-                            srv, srv.fresh(backend), driver=d, **k
-                        ),
+                        functools.partial(_fresh_wave, srv, backend, driver, kw),
                     )
             report["scenarios"][name] = res
             out.write_text(json.dumps(report, indent=2, default=str))

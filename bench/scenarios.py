@@ -5,9 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from keyexpiry import Client, TaskRequest
-from keyexpiry.store import TaskStatus
-
 from bench.harness import (
     ListenerProcess,
     Servers,
@@ -19,6 +16,8 @@ from bench.harness import (
     settings_for,
     wait_done,
 )
+from keyexpiry import Client, TaskRequest
+from keyexpiry.store import TaskStatus
 
 NOOP = "Bench@noop@%"
 CHUNK = 10_000

@@ -350,7 +350,9 @@ def bench(
     try:
         from bench.run import SCENARIOS, run
     except ImportError as exc:
-        raise ConfigError(f"the benchmark lives in bench/: run it from the repository root ({exc})")
+        raise ConfigError(
+            f"the benchmark lives in bench/: run it from the repository root ({exc})"
+        ) from None
     names = list(scenario or SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown or backend not in ("mariadb", "sqlite"):

@@ -32,6 +32,9 @@ class NotPendingError(KeyExpiryError):
 class StoreError(KeyExpiryError):
     """Raised when the SQL ledger cannot be reached or a statement against it fails."""
 
+    disconnected: bool = False
+    """True when the connection was lost (the statement may be retried on a new one)."""
+
 
 class RedisUnavailableError(KeyExpiryError):
     """Raised when Redis cannot be reached or refuses a command."""

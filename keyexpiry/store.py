@@ -6,14 +6,15 @@ record a batch of outcomes), and Core keeps them explicit and cheap.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -179,7 +180,11 @@ def make_engine(url: str) -> Engine:
             return engine
         return create_engine(
             url,
-            pool_pre_ping=True,
+            # No pre-ping (a round trip per checkout, on every create and claim): a statement
+            # that finds its connection dead is retried once on a fresh one instead (see
+            # `_retried`); every statement here is safe to repeat.
+            pool_pre_ping=False,
+            pool_reset_on_return=None,  # engine.begin() always ends the transaction itself
             pool_recycle=1800,
             pool_size=10,
             # Claims touch only the rows they name; READ COMMITTED avoids gap locks between
@@ -212,11 +217,51 @@ def _row(r: Any) -> TaskRow:
     )
 
 
+R = TypeVar("R")
+_RESET_ON_CREATE = (
+    "args", "status", "attempts", "retry_schedule_s", "due_at_ms", "created_at_ms",
+    "updated_at_ms", "started_at_ms", "finished_at_ms", "claimed_by", "lease_until_ms",
+    "last_error",
+)  # fmt: skip
+"""What creating an existing key resets: it becomes a fresh pending task with a new due time."""
+
+
+def _upsert_statement(dialect: str) -> Any:
+    """INSERT … ON CONFLICT/DUPLICATE KEY UPDATE for `dialect`, built once per store."""
+    if dialect == "sqlite":
+        ins = sqlite.insert(T)
+        return ins.on_conflict_do_update(
+            index_elements=[T.c.task_key], set_={c: ins.excluded[c] for c in _RESET_ON_CREATE}
+        )
+    mins = mysql.insert(T)
+    return mins.on_duplicate_key_update({c: mins.inserted[c] for c in _RESET_ON_CREATE})
+
+
+def _retried(method: Callable[..., R]) -> Callable[..., R]:
+    """Run a Store method once more when its connection turned out to be dead.
+
+    Safe because every method is idempotent or keyed by a claim token: a claim repeated after an
+    ambiguous commit finds its rows by token, a repeated record or cancel changes nothing more.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Store, *args: Any, **kwargs: Any) -> R:
+        try:
+            return method(self, *args, **kwargs)
+        except StoreError as exc:
+            if not exc.disconnected:
+                raise
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Store:
     """Queries on `time_limit_task`; every method raises StoreError, never a driver exception."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._upsert = _upsert_statement(engine.dialect.name)
         self._url = mask_url(engine.url.render_as_string(hide_password=True))
         self._schema_lock = threading.Lock()
 
@@ -227,20 +272,25 @@ class Store:
                 yield conn
         except SQLAlchemyError as exc:
             detail = str(getattr(exc, "orig", None) or exc).splitlines()[0][:300]
-            raise StoreError(f"database {self._url}: {detail}") from exc
+            error = StoreError(f"database {self._url}: {detail}")
+            error.disconnected = bool(getattr(exc, "connection_invalidated", False))
+            raise error from exc
 
     # --- schema -------------------------------------------------------------------------------
+    @_retried
     def create_schema(self) -> None:
         """Create the table and indexes if they do not exist."""
         with self._schema_lock, self._tx() as conn:
             metadata.create_all(conn, checkfirst=True)
 
+    @_retried
     def table_exists(self) -> bool:
         """Whether `time_limit_task` exists."""
         with self._tx() as conn:
             return bool(inspect(conn).has_table(TABLE_NAME))
 
     # --- create / cancel / read -----------------------------------------------------------------
+    @_retried
     def upsert_pending(self, tasks: Sequence[NewTask], now_ms: int) -> None:
         """Insert each task as pending, or reset an existing key to pending at its new due time."""
         if not tasks:
@@ -267,32 +317,23 @@ class Store:
             }
             for t in tasks
         ]
-        reset = (
-            "args", "status", "attempts", "retry_schedule_s", "due_at_ms", "created_at_ms",
-            "updated_at_ms", "started_at_ms", "finished_at_ms", "claimed_by", "lease_until_ms",
-            "last_error",
-        )  # fmt: skip
         with self._tx() as conn:
-            # One cached statement run as executemany: PyMySQL folds it into multi-row INSERTs
-            # and sqlite3 loops in C, so a bulk create costs a few round trips, not one per task.
-            if conn.dialect.name == "sqlite":
-                ins = sqlite.insert(T)
-                stmt: Any = ins.on_conflict_do_update(
-                    index_elements=[T.c.task_key], set_={c: ins.excluded[c] for c in reset}
-                )
-            else:
-                mins = mysql.insert(T)
-                stmt = mins.on_duplicate_key_update({c: mins.inserted[c] for c in reset})
+            # One statement run as executemany: PyMySQL folds it into multi-row INSERTs and
+            # sqlite3 loops in C, so a bulk create costs a few round trips, not one per task.
             for start in range(0, len(rows), 5000):
-                conn.execute(stmt, rows[start : start + 5000])
+                conn.execute(self._upsert, rows[start : start + 5000])
 
     def cancel(self, keys: Sequence[str], now_ms: int) -> list[str]:
         """Cancel those of `keys` that are pending; return the keys actually cancelled."""
         if not keys:
             return []
+        # The token is fixed before any retry, so a retry after an ambiguous commit still
+        # reports the rows the first attempt cancelled: the answer stays truthful.
+        return self._cancel(keys, now_ms, f"cancel:{uuid.uuid4().hex}")
+
+    @_retried
+    def _cancel(self, keys: Sequence[str], now_ms: int, token: str) -> list[str]:
         with self._tx() as conn:
-            token = f"cancel:{uuid.uuid4().hex}"
-            # Mark with a token so the rows this statement changed can be read back exactly.
             conn.execute(
                 update(T)
                 .where(T.c.task_key.in_(list(keys)), T.c.status == TaskStatus.PENDING.value)
@@ -308,12 +349,14 @@ class Store:
             )
             return [r[0] for r in got]
 
+    @_retried
     def get(self, key: str) -> TaskRow | None:
         """The row for `key`, or None."""
         with self._tx() as conn:
             r = conn.execute(select(T).where(T.c.task_key == key)).first()
         return _row(r) if r is not None else None
 
+    @_retried
     def get_many(self, keys: Sequence[str]) -> dict[str, TaskRow]:
         """Rows for `keys`, by key (missing keys are absent)."""
         if not keys:
@@ -322,6 +365,7 @@ class Store:
             rows = conn.execute(select(T).where(T.c.task_key.in_(list(keys)))).all()
         return {r.task_key: _row(r) for r in rows}
 
+    @_retried
     def list_tasks(self, status: TaskStatus | None = None, limit: int = 50) -> list[TaskRow]:
         """Rows ordered by due time, optionally of one status."""
         q = select(T).order_by(T.c.due_at_ms, T.c.id).limit(limit)
@@ -330,6 +374,7 @@ class Store:
         with self._tx() as conn:
             return [_row(r) for r in conn.execute(q)]
 
+    @_retried
     def counts(self) -> dict[str, int]:
         """Number of rows per status."""
         with self._tx() as conn:
@@ -337,6 +382,7 @@ class Store:
         return {str(s): int(n) for s, n in rows}
 
     # --- dispatch -------------------------------------------------------------------------------
+    @_retried
     def claim(
         self, keys: Sequence[str], *, now_ms: int, lease_until_ms: int, token: str
     ) -> list[TaskRow]:
@@ -370,6 +416,7 @@ class Store:
             ).all()
         return [_row(r) for r in rows]
 
+    @_retried
     def record(self, outcomes: Sequence[Outcome], now_ms: int) -> int:
         """Record finished runs in one transaction; a run whose claim was lost is skipped.
 
@@ -377,23 +424,41 @@ class Store:
         """
         if not outcomes:
             return 0
-        stmt = (
-            update(T)
-            .where(
-                T.c.id == bindparam("b_id"),
-                T.c.claimed_by == bindparam("b_token"),
-                T.c.status == TaskStatus.RUNNING.value,
-            )
-            .values(
-                status=bindparam("b_status"),
-                finished_at_ms=bindparam("b_finished"),
-                due_at_ms=bindparam("b_due"),
-                last_error=bindparam("b_error"),
-                lease_until_ms=None,
-                updated_at_ms=now_ms,
-            )
-        )
-        params = [
+        done: dict[str, list[int]] = {}
+        others: list[Outcome] = []
+        for o in outcomes:
+            if o.status is TaskStatus.DONE and o.last_error is None:
+                done.setdefault(o.token, []).append(o.task_id)
+            else:
+                others.append(o)
+        count = 0
+        with self._tx() as conn:
+            # Successes, the bulk of any batch: one statement per claim batch, not one per row.
+            for token, ids in done.items():
+                count += conn.execute(
+                    update(T)
+                    .where(
+                        T.c.id.in_(ids),
+                        T.c.claimed_by == token,
+                        T.c.status == TaskStatus.RUNNING.value,
+                    )
+                    .values(
+                        status=TaskStatus.DONE.value,
+                        finished_at_ms=now_ms,
+                        last_error=None,
+                        lease_until_ms=None,
+                        updated_at_ms=now_ms,
+                    )
+                ).rowcount
+            if others:
+                count += conn.execute(
+                    self._record_one, self._record_params(others, now_ms)
+                ).rowcount
+        return count
+
+    @staticmethod
+    def _record_params(outcomes: Sequence[Outcome], now_ms: int) -> list[dict[str, Any]]:
+        return [
             {
                 "b_id": o.task_id,
                 "b_token": o.token,
@@ -401,13 +466,29 @@ class Store:
                 "b_finished": o.finished_at_ms,
                 "b_due": o.due_at_ms,
                 "b_error": o.last_error,
+                "b_now": now_ms,
             }
             for o in outcomes
         ]
-        with self._tx() as conn:
-            result = conn.execute(stmt, params)
-        return int(result.rowcount)
 
+    _record_one = (
+        update(T)
+        .where(
+            T.c.id == bindparam("b_id"),
+            T.c.claimed_by == bindparam("b_token"),
+            T.c.status == TaskStatus.RUNNING.value,
+        )
+        .values(
+            status=bindparam("b_status"),
+            finished_at_ms=bindparam("b_finished"),
+            due_at_ms=bindparam("b_due"),
+            last_error=bindparam("b_error"),
+            lease_until_ms=None,
+            updated_at_ms=bindparam("b_now"),
+        )
+    )
+
+    @_retried
     def release(self, task_ids: Sequence[int], token: str, now_ms: int) -> int:
         """Give claimed-but-not-started runs back: pending again, the attempt not counted."""
         if not task_ids:
@@ -432,6 +513,7 @@ class Store:
         return int(result.rowcount)
 
     # --- reconciliation -------------------------------------------------------------------------
+    @_retried
     def pending_page(self, *, after_id: int, limit: int) -> list[TaskRow]:
         """Pending rows with id > `after_id`, by id (keyset pagination, no OFFSET scans)."""
         with self._tx() as conn:
@@ -443,6 +525,7 @@ class Store:
             ).all()
         return [_row(r) for r in rows]
 
+    @_retried
     def upcoming(self, *, after_ms: int, upto_ms: int, limit: int) -> list[tuple[str, int]]:
         """(key, due) of pending rows due in (after_ms, upto_ms], earliest first."""
         with self._tx() as conn:
@@ -458,6 +541,7 @@ class Store:
             ).all()
         return [(str(k), int(d)) for k, d in rows]
 
+    @_retried
     def count_pending(self) -> int:
         """How many rows are pending."""
         with self._tx() as conn:
@@ -466,6 +550,7 @@ class Store:
             ).scalar_one()
         return int(n)
 
+    @_retried
     def expired_leases(self, now_ms: int, limit: int = 1000) -> list[TaskRow]:
         """Running rows whose lease has run out: the listener running them is gone."""
         with self._tx() as conn:
@@ -477,6 +562,7 @@ class Store:
             ).all()
         return [_row(r) for r in rows]
 
+    @_retried
     def requeue_lost(self, row: TaskRow, *, status: TaskStatus, error: str, now_ms: int) -> bool:
         """Move a lease-expired run to pending (due now) or dead; False if someone else did."""
         with self._tx() as conn:
