@@ -114,6 +114,14 @@ def is_sentinel(key: str, prefix: str = "") -> bool:
     return key.startswith(prefix + SENTINEL_MARK)
 
 
+CANARY_MARK = "#keyexpiry#canary#"
+
+
+def canary_key(owner: str, prefix: str = "") -> str:
+    """A listener's canary: a key it expires itself to prove events still arrive."""
+    return f"{prefix}{CANARY_MARK}{owner}"
+
+
 def driver_lock_key(prefix: str = "") -> str:
     """The lock that elects one listener to drive expiries (so lookups are not multiplied)."""
     return f"{prefix}#keyexpiry#driver"

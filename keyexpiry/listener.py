@@ -25,6 +25,7 @@ from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
 from keyexpiry.errors import KeyExpiryError, RedisConfigError, StoreError
 from keyexpiry.keys import (
+    canary_key,
     expired_channel,
     is_ours,
     is_sentinel,
@@ -151,6 +152,14 @@ class Listener:
         self._pubsub: Any = None
         self._connected_once = False
         self._schema_ready = False
+        self._canary = canary_key(self.owner, settings.key_prefix)
+        self._canary_seen = threading.Event()
+        self._canary_sent_s: float | None = None
+        self.events_arriving = True
+        self._reconnect_wanted = False
+        self._last_lease_check_s = 0.0
+        self._last_canary_s = 0.0
+        """False while the canary's expiry event does not come back (see `_self_check`)."""
 
     # --- public -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -207,6 +216,9 @@ class Listener:
 
     def step(self, timeout_s: float) -> int:
         """Handle the events that arrive within `timeout_s`; return how many were read."""
+        if self._reconnect_wanted:
+            self._reconnect_wanted = False
+            raise redis.ConnectionError("rebuilding the subscription: no events arrive on it")
         if self._gap.is_set():
             self._gap.clear()
             self.gaps += 1
@@ -241,6 +253,9 @@ class Listener:
             return
         prefix = self.settings.key_prefix
         if not is_ours(key, prefix):
+            return
+        if key == self._canary:
+            self._canary_seen.set()
             return
         if is_sentinel(key, prefix):
             logger.info("sentinel {} fired: reconciling", key)
@@ -351,11 +366,73 @@ class Listener:
             logger.info("{} of {} sentinels fired: setting a fresh batch", fired, count)
             self._arm_sentinels(fresh=True)
 
+    def _self_check(self, now_s: float) -> None:
+        """Periodic checks that need no event to trigger them.
+
+        - leases: runs whose listener died are found within `lease_check_s`, not at the next
+          sentinel; so are pending tasks overdue by `stuck_after_s` (their key or event lost);
+        - canary: a key this listener expires itself must come back as an event; while it does
+          not (notifications off, a demoted master, a half-open socket), due tasks are run from
+          the ledger by reconciling every canary interval, and the subscription is rebuilt;
+        - sentinels: if most vanished without firing (FLUSHALL, a Redis restart while we were
+          connected elsewhere), reconcile and set them again.
+        """
+        if (
+            now_s - self._last_lease_check_s >= self.settings.lease_check_s
+            or not self.events_arriving
+        ):
+            self._last_lease_check_s = now_s
+            self.reconciler.requeue_expired_leases()
+            self.reconciler.repair_stuck(
+                grace_ms=int(self.settings.stuck_after_s * 1000),
+                events_arriving=self.events_arriving,
+            )
+        if not self.subscribed.is_set():
+            return
+        if self._canary_sent_s is not None:
+            if self._canary_seen.is_set():
+                if not self.events_arriving:
+                    logger.warning("expired events are arriving again")
+                self.events_arriving = True
+                self._canary_sent_s = None
+            elif now_s - self._canary_sent_s > 2.0:
+                if self.events_arriving:
+                    logger.error(
+                        "expired events are not arriving (notifications switched off, a replica, "
+                        "or a dead connection?): running due tasks from the ledger until they do"
+                    )
+                self.events_arriving = False
+                self._canary_sent_s = None
+                self._reconnect_wanted = True  # a half-open socket looks exactly like this
+        if self._canary_sent_s is None and (
+            now_s - self._last_canary_s >= self.settings.canary_interval_s
+            or not self.events_arriving
+        ):
+            self._last_canary_s = now_s
+            self._canary_seen.clear()
+            self._canary_sent_s = now_s
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(self._canary, b"", px=1)
+            pipe.execute()
+            self.redis.pttl(self._canary)  # a lookup: expire it now, not at the next sweep
+            count = self.settings.sentinel_count
+            if count:
+                keys = [sentinel_key(i, self.settings.key_prefix) for i in range(1, count + 1)]
+                if int(self.redis.exists(*keys)) * 2 < count:
+                    logger.warning("sentinels vanished without firing: reconciling")
+                    self.request_reconcile("sentinels missing")
+
     def _reconcile_loop(self) -> None:
         backoff_s = self.settings.reconnect_initial_s
+        self._last_lease_check_s = monotonic_s()
+        self._last_canary_s = monotonic_s()
         while not self._stop.is_set():
-            if not self._reconcile_wanted.wait(1.0):
+            if not self._reconcile_wanted.wait(min(1.0, self.settings.lease_check_s)):
                 self._reconcile_idle.set()
+                try:
+                    self._self_check(monotonic_s())
+                except Exception as exc:
+                    logger.warning("self-check failed: {}", exc)
                 continue
             if self._stop.is_set():
                 break

@@ -94,8 +94,35 @@ class Reconciler:
                 schedule = None
         return 1 + len(schedule if schedule is not None else self.settings.retry_schedule_s)
 
+    def repair_stuck(self, *, grace_ms: int, events_arriving: bool, limit: int = 1000) -> int:
+        """Pending rows due more than `grace_ms` ago: their key was deleted, renamed, persisted,
+        evicted or flushed, or its event was lost. Re-arm them so they expire now (the event
+        stays the dispatch path); while events do not arrive at all, submit them directly.
+
+        One query on the (status, due_at_ms) index, which normally returns nothing.
+        """
+        now_ms = self.clock.now_ms()
+        rows = self.store.overdue(now_ms=now_ms - grace_ms, limit=limit)
+        if not rows:
+            return 0
+        if self.submit is not None and not events_arriving:
+            self.submit([k for k, _ in rows])
+        else:
+            arm_keys(self.redis, rows, now_ms, self.settings)
+        logger.warning(
+            "{} pending task(s) overdue by more than {} ms: re-armed", len(rows), grace_ms
+        )
+        return len(rows)
+
+    def requeue_expired_leases(self) -> ReconcileReport:
+        """Only the lease part of a pass: cheap (one indexed query), run every few seconds."""
+        report = ReconcileReport()
+        self._requeue_expired_leases(report, dry_run=False)
+        return report
+
     def _requeue_expired_leases(self, report: ReconcileReport, dry_run: bool) -> None:
         now_ms = self.clock.now_ms()
+        requeued: list[str] = []
         for row in self.store.expired_leases(now_ms):
             log = logger.bind(key=row.key, attempt=row.attempts)
             report.lease_expired += 1
@@ -109,6 +136,12 @@ class Reconciler:
                 continue
             if self.store.requeue_lost(row, status=TaskStatus.PENDING, error=error, now_ms=now_ms):
                 log.warning("{}; running it again", error)
+                requeued.append(row.key)
+        if requeued:
+            if self.submit is not None:
+                self.submit(requeued)
+            else:
+                arm_keys(self.redis, [(k, now_ms) for k in requeued], now_ms, self.settings)
 
     def _repair_page(self, page: list[TaskRow], report: ReconcileReport, dry_run: bool) -> None:
         now_ms = self.clock.now_ms()

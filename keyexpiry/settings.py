@@ -62,6 +62,9 @@ class Settings:
     reconnect_max_s: float = 30.0
     health_check_interval_s: float = 10.0
     claim_batch: int = 256
+    canary_interval_s: float = 30.0
+    lease_check_s: float = 10.0
+    stuck_after_s: float = 5.0
     driver: bool = True
     driver_window_s: float = 60.0
     driver_max_rows: int = 50_000
@@ -115,6 +118,8 @@ class Settings:
             raise ConfigError(f"sentinel_count must be 0..100, got {self.sentinel_count}")
         if not 1 <= self.claim_batch <= 5000:
             raise ConfigError(f"claim_batch must be 1..5000, got {self.claim_batch}")
+        if self.canary_interval_s <= 0 or self.lease_check_s <= 0:
+            raise ConfigError("canary_interval_s and lease_check_s must be > 0")
         if self.driver_window_s <= 0 or self.wake_ahead_s < self.driver_window_s:
             raise ConfigError("driver_window_s must be > 0 and at most wake_ahead_s")
         if self.driver_max_rows < 100:

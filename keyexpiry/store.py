@@ -542,6 +542,11 @@ class Store:
         return [(str(k), int(d)) for k, d in rows]
 
     @_retried
+    def overdue(self, *, now_ms: int, limit: int) -> list[tuple[str, int]]:
+        """(key, due) of pending rows due at or before `now_ms`, earliest first."""
+        return self.upcoming(after_ms=-(2**62), upto_ms=now_ms, limit=limit)
+
+    @_retried
     def count_pending(self) -> int:
         """How many rows are pending."""
         with self._tx() as conn:

@@ -23,6 +23,9 @@ FAST = {
     "lease_grace_s": 1.0,
     "handler_timeout_s": 10.0,
     "health_check_interval_s": 1.0,
+    "canary_interval_s": 0.5,
+    "lease_check_s": 0.3,
+    "stuck_after_s": 0.5,
 }
 """Short retries, leases and backoffs, so no test waits long."""
 

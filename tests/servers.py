@@ -661,6 +661,9 @@ class MariaDBServer(_ServerProcess):
             # Unknown options are passed on to the bootstrap mariadbd: create the
             # redo log at its final (small) size instead of 96 MiB.
             *self._innodb_args(),
+            # A private tmpdir: two servers bootstrapping at once in /tmp have been seen to
+            # delete each other's temporary tables ("Error on delete of '/tmp/#sql-temptable…'").
+            f"--tmpdir={self._tmpdir()}",
         ]
         with log.open("wb") as out:
             result = subprocess.run(
@@ -673,6 +676,11 @@ class MariaDBServer(_ServerProcess):
                 f"{shlex.join(cmd)} failed with code {result.returncode}\n"
                 f"--- {log} ---\n{_log_tail(log)}"
             )
+
+    def _tmpdir(self) -> Path:
+        path = self.workdir / "tmp"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     @staticmethod
     def _innodb_args() -> list[str]:
@@ -693,6 +701,7 @@ class MariaDBServer(_ServerProcess):
             f"--user={_current_user()}",
             "--skip-name-resolve",
             *self._innodb_args(),
+            f"--tmpdir={self._tmpdir()}",
             "--innodb-flush-log-at-trx-commit=2",
             "--skip-log-bin",
             f"--pid-file={self.workdir / 'mysqld.pid'}",

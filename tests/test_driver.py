@@ -54,7 +54,8 @@ def test_without_the_driver_redis_alone_announces_hidden_keys_late(
     redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
 ) -> None:
     server = redis_factory()
-    cfg = make_settings(server.url(), db_url, tmp_path, driver=False)
+    # No driver, and the overdue safety net pushed out of the way: Redis alone.
+    cfg = make_settings(server.url(), db_url, tmp_path, driver=False, stuck_after_s=60)
     with Client(cfg) as c:
         _fill_far_future_keys(c.redis, 100_000)
         start_listener(cfg)

@@ -1,0 +1,161 @@
+"""Redis misbehaving while tasks are due: every task still runs, exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.store import TaskStatus
+from tests import sample_tasks
+from tests.conftest import RedisFactory
+from tests.ke import Running, make_settings, wait_status
+from tests.servers import RedisServer, wait_until
+
+pytestmark = pytest.mark.faults
+StartListener = Callable[[Settings], Running]
+
+
+def _setup(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, args: Sequence[str] = (), **kw: object
+) -> tuple[RedisServer, Settings]:
+    server = redis_factory(args=args)
+    return server, make_settings(server.url(), db_url, tmp_path, **kw)
+
+
+def _all_done_once(c: Client, keys: list[str], timeout_s: float = 20) -> None:
+    for key in keys:
+        row = wait_status(c, key, TaskStatus.DONE, timeout_s=timeout_s)
+        assert row.started_at_ms is not None and row.started_at_ms >= row.due_at_ms
+    assert all(sample_tasks.CALLS[k] == 1 for k in keys), dict(sample_tasks.CALLS)
+
+
+@pytest.mark.parametrize(
+    "persistence",
+    [["--appendonly", "yes"], ["--save", "1 1"]],
+    ids=["aof", "rdb"],
+)
+def test_redis_restarted_with_persistence(
+    redis_factory: RedisFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    persistence: list[str],
+) -> None:
+    server, cfg = _setup(redis_factory, db_url, tmp_path, persistence)
+    with Client(cfg) as c:
+        start_listener(cfg)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"persist{i}",), ttl_ms=200 + 100 * i) for i in range(20)
+        )
+        server.stop(save=True)
+        wait_until(lambda: c.clock.now_ms() > c.store.get(keys[5]).due_at_ms, 5)  # type: ignore[union-attr]
+        # Expired keys in the file fire as Redis loads it, maybe before the listener is back.
+        server.start()
+        _all_done_once(c, keys)
+
+
+def test_redis_stalled_across_due_times(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    server, cfg = _setup(redis_factory, db_url, tmp_path)
+    with Client(cfg) as c:
+        start_listener(cfg)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"stall{i}",), ttl_ms=100 + 50 * i) for i in range(20)
+        )
+        server.pause()
+        try:
+            wait_until(lambda: c.clock.now_ms() > c.store.get(keys[-1]).due_at_ms + 500, 10)  # type: ignore[union-attr]
+        finally:
+            server.resume()
+        _all_done_once(c, keys)
+
+
+def test_notifications_switched_off_then_on(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    server, cfg = _setup(redis_factory, db_url, tmp_path)
+    admin = server.client()
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        admin.config_set("notify-keyspace-events", "")
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"quiet{i}",), ttl_ms=100 + 20 * i) for i in range(10)
+        )
+        # The canary notices, and the ledger drives due tasks while events are off.
+        _all_done_once(c, keys)
+        assert running.listener.events_arriving is False
+        admin.config_set("notify-keyspace-events", "Ex")
+        wait_until(lambda: running.listener.events_arriving, 20)
+        later = c.create("Probe.record", "after", ttl_ms=100)
+        _all_done_once(c, [later])
+    admin.close()
+
+
+def test_config_command_disabled(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    _, cfg = _setup(
+        redis_factory, db_url, tmp_path, ["--rename-command", "CONFIG", "CONFIG_hidden_b7"]
+    )
+    with Client(cfg) as c:
+        start_listener(cfg)  # warns that CONFIG cannot be read, and works
+        keys = [c.create("Probe.record", f"noconfig{i}", ttl_ms=100) for i in range(3)]
+        _all_done_once(c, keys)
+
+
+def test_flushall_with_tasks_and_sentinels_pending(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    _, cfg = _setup(redis_factory, db_url, tmp_path, sentinel_count=4, sentinel_interval_s=60)
+    with Client(cfg) as c:
+        start_listener(cfg)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"flushed{i}",), ttl_ms=1500 + 10 * i) for i in range(10)
+        )
+        c.redis.flushall()
+        _all_done_once(c, keys)
+
+
+@pytest.mark.parametrize("tamper", ["delete", "rename", "persist"])
+def test_a_task_key_tampered_with_by_someone_else(
+    client: Client, settings: Settings, start_listener: StartListener, tamper: str
+) -> None:
+    start_listener(settings)
+    key = client.create("Probe.record", f"tampered-{tamper}", ttl_ms=300)
+    if tamper == "delete":
+        client.redis.delete(key)
+    elif tamper == "rename":
+        client.redis.rename(key, "someone-else")
+    else:
+        client.redis.persist(key)
+    _all_done_once(client, [key])
+
+
+def test_eviction_under_volatile_lru(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    server, cfg = _setup(
+        redis_factory,
+        db_url,
+        tmp_path,
+        ["--maxmemory", "2mb", "--maxmemory-policy", "volatile-lru"],
+    )
+    with Client(cfg) as c:
+        start_listener(cfg)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"evict{i}",), ttl_ms=1500 + i) for i in range(200)
+        )
+        filler = server.client()
+        pipe = filler.pipeline(transaction=False)
+        for i in range(3000):
+            pipe.set(f"filler:{i}", b"x" * 1000, ex=3600)
+        try:
+            pipe.execute()
+        except Exception:
+            pass  # past maxmemory Redis may refuse writes: eviction is what matters
+        filler.close()
+        _all_done_once(c, keys, timeout_s=30)
