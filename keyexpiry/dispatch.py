@@ -326,21 +326,22 @@ class Dispatcher:
                 log.opt(exception=exc).warning("handler raised {}: {}", type(exc).__name__, exc)
             else:
                 outcome = self._outcome(run, TaskStatus.DONE, None)
-                assert outcome.finished_at_ms is not None
-                log.info(
-                    "done in {} ms, started {} ms after due",
-                    outcome.finished_at_ms - (row.started_at_ms or outcome.finished_at_ms),
-                    (row.started_at_ms or 0) - row.due_at_ms,
-                )
             finally:
                 set_current(None)
         with self._cond:
             if run.abandoned:
+                log.warning("abandoned run returned after its timeout; its result is discarded")
                 return True
             self._running.pop(row.id, None)
             self._inflight -= 1
             self._outcomes.append(outcome)
             self._cond.notify_all()
+        if outcome.status is TaskStatus.DONE and outcome.finished_at_ms is not None:
+            log.info(
+                "done in {} ms, started {} ms after due",
+                outcome.finished_at_ms - (row.started_at_ms or outcome.finished_at_ms),
+                (row.started_at_ms or 0) - row.due_at_ms,
+            )
         return False
 
     def _outcome(self, run: _Run, status: TaskStatus, error: str | None) -> Outcome:

@@ -24,10 +24,16 @@ def configure_logging(level: str = "INFO", *, colorize: bool | None = None) -> N
     """Send keyexpiry's log to stderr at `level`; every task line shows its key and attempt."""
     logger.remove()
     logger.add(
-        sys.stderr,
+        _write_stderr,
         level=level.upper(),
         format=_format,
-        colorize=colorize,
+        colorize=sys.stderr.isatty() if colorize is None else colorize,
         backtrace=False,
-        diagnose=False,
-    )  # diagnose would print local variables: passwords
+        diagnose=False,  # diagnose would print local variables: passwords
+    )
+
+
+def _write_stderr(message: str) -> None:
+    # Looked up at each write: whoever swapped sys.stderr (a test runner, a daemon wrapper) may
+    # have closed the stream that was current at configuration time.
+    sys.stderr.write(message)
