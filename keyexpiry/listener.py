@@ -308,6 +308,13 @@ class Listener:
         warning = check_notifications(self.redis, configure=self.settings.configure_redis)
         if warning:
             logger.warning(warning)
+        policy = config_value(self.redis, "maxmemory-policy")
+        if policy and policy != "noeviction":
+            logger.warning(
+                "maxmemory-policy is {}: Redis may evict task keys (announced as `evicted`, "
+                "never `expired`); the overdue check recovers them late. Prefer noeviction",
+                policy,
+            )
         self.clock.sync()
         pubsub = self._sub_client.pubsub()  # type: ignore[no-untyped-call]
         self._pubsub = pubsub
