@@ -53,6 +53,7 @@ class DispatchStats:
     dead: int = 0
     timed_out: int = 0
     not_claimed: int = 0
+    ignored: int = 0
     store_errors: int = 0
     by_key: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -246,6 +247,7 @@ class Dispatcher:
             parsed = parse_key(key, prefix=self.settings.key_prefix)
             return self.registry.resolve(parsed.class_name, parsed.method)
         except UnknownTaskError as exc:
+            self.stats.ignored += 1
             label = key.split("@", 2)[0] + "@" + key.split("@", 2)[1] if "@" in key else key
             if label not in self._warned_unknown:
                 self._warned_unknown.add(label)
@@ -254,6 +256,7 @@ class Dispatcher:
                 )
             return None
         except KeyExpiryError as exc:
+            self.stats.ignored += 1
             logger.bind(key=key[:200], attempt=0).warning("ignored key: {}", exc)
             return None
 

@@ -22,6 +22,8 @@ _SAFE = "!$&'()*+,-./:;<=>?[]^_`{|}~#"
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 _ESCAPED = re.compile(r"(?:[A-Za-z0-9!$&'()*+,\-./:;<=>?\[\]^_`{|}~#]|%[0-9A-F]{2})*\Z")
 
+INTERNAL_MARK = "#keyexpiry#"
+"""Every key keyexpiry keeps for itself starts with `{prefix}#keyexpiry#` (no task class can)."""
 SENTINEL_MARK = "#keyexpiry#sentinel#"
 """Sentinel keys are `{prefix}#keyexpiry#sentinel#{n}`: `#` cannot start a task class name."""
 
@@ -107,6 +109,11 @@ def is_ours(key: str, prefix: str) -> bool:
 def sentinel_key(index: int, prefix: str = "") -> str:
     """Name of loss-control sentinel number `index` (1-based)."""
     return f"{prefix}{SENTINEL_MARK}{index}"
+
+
+def is_internal(key: str, prefix: str = "") -> bool:
+    """Whether `key` is one of keyexpiry's own (sentinel, canary, driver lock), not a task."""
+    return key.startswith(prefix + INTERNAL_MARK)
 
 
 def is_sentinel(key: str, prefix: str = "") -> bool:

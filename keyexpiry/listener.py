@@ -23,13 +23,13 @@ from keyexpiry.clock import RedisClock, monotonic_s
 from keyexpiry.connections import open_store, redis_client, redis_db, resolve_redis_url
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
-from keyexpiry.errors import KeyExpiryError, RedisConfigError, StoreError
+from keyexpiry.errors import RedisConfigError, StoreError
 from keyexpiry.keys import (
     canary_key,
     expired_channel,
+    is_internal,
     is_ours,
     is_sentinel,
-    parse_key,
     sentinel_key,
     wake_channel,
 )
@@ -144,7 +144,7 @@ class Listener:
         self.reconciles_done = 0
         self.gaps = 0
         self.events = 0
-        self.ignored = 0
+        self._undecodable = 0
         self._stop = threading.Event()
         self._gap = threading.Event()
         self._reconcile_wanted = threading.Event()
@@ -156,6 +156,7 @@ class Listener:
         self._canary_seen = threading.Event()
         self._canary_sent_s: float | None = None
         self.events_arriving = True
+        self.canaries_seen = 0
         self._reconnect_wanted = False
         self._last_lease_check_s = 0.0
         self._last_canary_s = 0.0
@@ -198,6 +199,11 @@ class Listener:
             self.store.engine.dispose()
             restore()
             logger.info("listener stopped")
+
+    @property
+    def ignored(self) -> int:
+        """Expired keys under our prefix that were not runnable tasks (logged once each)."""
+        return self._undecodable + self.dispatcher.stats.ignored
 
     def stop(self) -> None:
         """Ask `run()` to finish (safe from any thread or a signal handler)."""
@@ -248,25 +254,22 @@ class Listener:
         try:
             key = raw.decode("utf-8") if isinstance(raw, bytes) else raw
         except UnicodeDecodeError:
-            self.ignored += 1
+            self._undecodable += 1
             logger.bind(key=repr(raw[:80]), attempt=0).warning("ignored key: not valid UTF-8")
             return
         prefix = self.settings.key_prefix
         if not is_ours(key, prefix):
             return
         if key == self._canary:
+            self.canaries_seen += 1
             self._canary_seen.set()
             return
-        if is_sentinel(key, prefix):
-            logger.info("sentinel {} fired: reconciling", key)
-            self.request_reconcile("sentinel")
-            return
-        try:
-            parse_key(key, prefix=prefix)
-        except KeyExpiryError as exc:
-            self.ignored += 1
-            logger.bind(key=key[:200], attempt=0).warning("ignored key: {}", exc)
-            return
+        if is_internal(key, prefix):
+            if is_sentinel(key, prefix):
+                logger.info("sentinel {} fired: reconciling", key)
+                self.request_reconcile("sentinel")
+            return  # another listener's canary, an expired driver lock: ours, not a task
+        # Parsed (and refused if malformed) once, by the claimer: not here as well.
         self.dispatcher.submit([key])
 
     # --- connection ---------------------------------------------------------------------------

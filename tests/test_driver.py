@@ -60,8 +60,7 @@ def test_without_the_driver_redis_alone_announces_hidden_keys_late(
         _fill_far_future_keys(c.redis, 100_000)
         start_listener(cfg)
         keys = [c.create("Probe.record", f"hidden{i}", ttl_ms=200) for i in range(10)]
-        control = c.create("Probe.record", "control", at=None, ttl_ms=1500)
-        c.redis.pttl(control)  # nothing yet: due later
+        control = c.create("Probe.record", "control", ttl_ms=1500)
         wait_until(lambda: c.clock.now_ms() > c.store.get(control).due_at_ms, 5)  # type: ignore[union-attr]
         c.redis.exists(control)  # a lookup forces this one, as the driver would
         wait_status(c, control, TaskStatus.DONE)
