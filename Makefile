@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: demo listen test lint format servers clean
+.PHONY: demo listen test lint format servers reliability clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -m venv $(VENV) 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv && $(PY) -m venv $(VENV); }
@@ -39,5 +39,9 @@ format: $(STAMP)
 test: $(STAMP) servers lint
 	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
 
+## reliability: the fault suite alone, writing its table to docs/RELIABILITY.md
+reliability: $(STAMP) servers
+	KEYEXPIRY_RELIABILITY_OUT=docs/RELIABILITY.md $(BIN)/pytest -n 2 tests/faults $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build

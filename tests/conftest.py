@@ -26,7 +26,7 @@ import pytest
 from tests.servers import MariaDBServer, RedisServer, find_binary
 
 # keyexpiry-level fixtures (settings, client, start_listener) live in tests/ke.py.
-pytest_plugins = ["tests.ke"]
+pytest_plugins = ["tests.ke", "tests.reliability"]
 
 REDIS_SERVER = os.environ.get("KEYEXPIRY_TEST_REDIS_SERVER") or "redis-server"
 MARIADBD = os.environ.get("KEYEXPIRY_TEST_MARIADBD") or "mariadbd"

@@ -18,6 +18,7 @@ from keyexpiry.store import TaskStatus
 from tests import sample_tasks
 from tests.conftest import MariaDBFactory
 from tests.ke import FAST, Running, make_settings, wait_status
+from tests.reliability import Verdict
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.faults
@@ -37,7 +38,7 @@ def _env(settings: Settings) -> dict[str, str]:
 
 
 def test_listener_killed_mid_handler_is_run_again_elsewhere(
-    client: Client, settings: Settings, start_listener: StartListener
+    client: Client, settings: Settings, start_listener: StartListener, verdict: Verdict
 ) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "keyexpiry", "listen"],
@@ -60,6 +61,8 @@ def test_listener_killed_mid_handler_is_run_again_elsewhere(
     row = wait_status(client, key, TaskStatus.DONE, timeout_s=20)
     assert row.attempts == 2  # the first attempt died with its listener
     assert sample_tasks.CALLS[key] == 1  # the second ran here
+    # The handler started twice (the documented crash window): at least once.
+    verdict.check(client, [key], at_least_once=True, calls={key: row.attempts})
 
 
 def test_database_down_during_create_is_a_clear_error_and_leaves_no_key(
@@ -77,7 +80,11 @@ def test_database_down_during_create_is_a_clear_error_and_leaves_no_key(
 
 
 def test_database_down_while_tasks_are_due(
-    mariadb_factory: MariaDBFactory, redis_url: str, tmp_path: Path, start_listener: StartListener
+    mariadb_factory: MariaDBFactory,
+    redis_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
 ) -> None:
     server = mariadb_factory()
     cfg = make_settings(redis_url, server.create_database("faults"), tmp_path)
@@ -89,9 +96,7 @@ def test_database_down_while_tasks_are_due(
         server.stop()
         wait_until(lambda: _all_due(c, keys), 10)
         server.start()
-        for key in keys:
-            wait_status(c, key, TaskStatus.DONE, timeout_s=30)
-        assert all(sample_tasks.CALLS[k] == 1 for k in keys)
+        verdict.check(c, keys, since_ms=c.clock.now_ms())
 
 
 def _all_due(c: Client, keys: list[str]) -> bool:
@@ -100,7 +105,7 @@ def _all_due(c: Client, keys: list[str]) -> bool:
 
 
 def test_cancel_racing_expiry_is_truthful(
-    client: Client, settings: Settings, start_listener: StartListener
+    client: Client, settings: Settings, start_listener: StartListener, verdict: Verdict
 ) -> None:
     start_listener(settings)
     rng = random.Random(7)
@@ -108,25 +113,22 @@ def test_cancel_racing_expiry_is_truthful(
     for i in range(300):
         key = client.create("Probe.record", f"race{i}", ttl_ms=rng.randint(0, 8))
         answers[key] = client.cancel("Probe.record", f"race{i}")
-    for key, cancelled in answers.items():
-        if cancelled:
-            row = client.store.get(key)
-            assert row is not None and row.status is TaskStatus.CANCELLED
-        else:
-            wait_status(client, key, TaskStatus.DONE)
-    # Never both: a task cancel said it cancelled never ran.
-    assert all(sample_tasks.CALLS[k] == 0 for k, c in answers.items() if c)
-    assert all(sample_tasks.CALLS[k] == 1 for k, c in answers.items() if not c)
+    cancelled = [k for k, c in answers.items() if c]
+    for key in cancelled:
+        row = client.store.get(key)
+        assert row is not None and row.status is TaskStatus.CANCELLED
+    # Never both: a task cancel said it cancelled never ran; the others ran once.
+    assert all(sample_tasks.CALLS[k] == 0 for k in cancelled)
+    verdict.check(client, [k for k, c in answers.items() if not c])
 
 
 def test_three_listeners_share_a_load_without_double_runs(
-    client: Client, settings: Settings, start_listener: StartListener
+    client: Client, settings: Settings, start_listener: StartListener, verdict: Verdict
 ) -> None:
     listeners = [start_listener(settings) for _ in range(3)]
     keys = client.create_many(
         TaskRequest("Probe.record", (f"three{i}",), ttl_ms=200 + i % 500) for i in range(3000)
     )
-    wait_until(lambda: client.store.counts().get("done", 0) == 3000, 60)
-    assert all(sample_tasks.CALLS[k] == 1 for k in keys)
+    verdict.check(client, keys, timeout_s=60)
     # Stats count after the ledger write, so wait for them rather than read them at once.
     wait_until(lambda: sum(r.listener.dispatcher.stats.done for r in listeners) == 3000, 10)

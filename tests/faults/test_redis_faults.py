@@ -9,9 +9,9 @@ import pytest
 
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.store import TaskStatus
-from tests import sample_tasks
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings, wait_status
+from tests.reliability import Verdict
 from tests.servers import RedisServer, wait_until
 
 pytestmark = pytest.mark.faults
@@ -25,13 +25,6 @@ def _setup(
     return server, make_settings(server.url(), db_url, tmp_path, **kw)
 
 
-def _all_done_once(c: Client, keys: list[str], timeout_s: float = 20) -> None:
-    for key in keys:
-        row = wait_status(c, key, TaskStatus.DONE, timeout_s=timeout_s)
-        assert row.started_at_ms is not None and row.started_at_ms >= row.due_at_ms
-    assert all(sample_tasks.CALLS[k] == 1 for k in keys), dict(sample_tasks.CALLS)
-
-
 @pytest.mark.parametrize(
     "persistence",
     [["--appendonly", "yes"], ["--save", "1 1"]],
@@ -42,6 +35,7 @@ def test_redis_restarted_with_persistence(
     db_url: str,
     tmp_path: Path,
     start_listener: StartListener,
+    verdict: Verdict,
     persistence: list[str],
 ) -> None:
     server, cfg = _setup(redis_factory, db_url, tmp_path, persistence)
@@ -54,11 +48,15 @@ def test_redis_restarted_with_persistence(
         wait_until(lambda: c.clock.now_ms() > c.store.get(keys[5]).due_at_ms, 5)  # type: ignore[union-attr]
         # Expired keys in the file fire as Redis loads it, maybe before the listener is back.
         server.start()
-        _all_done_once(c, keys)
+        verdict.check(c, keys)
 
 
 def test_redis_stalled_across_due_times(
-    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+    redis_factory: RedisFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
 ) -> None:
     server, cfg = _setup(redis_factory, db_url, tmp_path)
     with Client(cfg) as c:
@@ -71,11 +69,15 @@ def test_redis_stalled_across_due_times(
             wait_until(lambda: c.clock.now_ms() > c.store.get(keys[-1]).due_at_ms + 500, 10)  # type: ignore[union-attr]
         finally:
             server.resume()
-        _all_done_once(c, keys)
+        verdict.check(c, keys, since_ms=c.clock.now_ms())
 
 
 def test_notifications_switched_off_then_on(
-    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+    redis_factory: RedisFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
 ) -> None:
     server, cfg = _setup(redis_factory, db_url, tmp_path)
     admin = server.client()
@@ -86,17 +88,22 @@ def test_notifications_switched_off_then_on(
             TaskRequest("Probe.record", (f"quiet{i}",), ttl_ms=100 + 20 * i) for i in range(10)
         )
         # The canary notices, and the ledger drives due tasks while events are off.
-        _all_done_once(c, keys)
+        for key in keys:
+            wait_status(c, key, TaskStatus.DONE, timeout_s=20)
         assert running.listener.events_arriving is False
         admin.config_set("notify-keyspace-events", "Ex")
         wait_until(lambda: running.listener.events_arriving, 20)
         later = c.create("Probe.record", "after", ttl_ms=100)
-        _all_done_once(c, [later])
+        verdict.check(c, [*keys, later])
     admin.close()
 
 
 def test_config_command_disabled(
-    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+    redis_factory: RedisFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
 ) -> None:
     _, cfg = _setup(
         redis_factory, db_url, tmp_path, ["--rename-command", "CONFIG", "CONFIG_hidden_b7"]
@@ -104,11 +111,15 @@ def test_config_command_disabled(
     with Client(cfg) as c:
         start_listener(cfg)  # warns that CONFIG cannot be read, and works
         keys = [c.create("Probe.record", f"noconfig{i}", ttl_ms=100) for i in range(3)]
-        _all_done_once(c, keys)
+        verdict.check(c, keys)
 
 
 def test_flushall_with_tasks_and_sentinels_pending(
-    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+    redis_factory: RedisFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
 ) -> None:
     _, cfg = _setup(redis_factory, db_url, tmp_path, sentinel_count=4, sentinel_interval_s=60)
     with Client(cfg) as c:
@@ -117,12 +128,16 @@ def test_flushall_with_tasks_and_sentinels_pending(
             TaskRequest("Probe.record", (f"flushed{i}",), ttl_ms=1500 + 10 * i) for i in range(10)
         )
         c.redis.flushall()
-        _all_done_once(c, keys)
+        verdict.check(c, keys)
 
 
 @pytest.mark.parametrize("tamper", ["delete", "rename", "persist"])
 def test_a_task_key_tampered_with_by_someone_else(
-    client: Client, settings: Settings, start_listener: StartListener, tamper: str
+    client: Client,
+    settings: Settings,
+    start_listener: StartListener,
+    verdict: Verdict,
+    tamper: str,
 ) -> None:
     start_listener(settings)
     key = client.create("Probe.record", f"tampered-{tamper}", ttl_ms=300)
@@ -132,11 +147,15 @@ def test_a_task_key_tampered_with_by_someone_else(
         client.redis.rename(key, "someone-else")
     else:
         client.redis.persist(key)
-    _all_done_once(client, [key])
+    verdict.check(client, [key])
 
 
 def test_eviction_under_volatile_lru(
-    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+    redis_factory: RedisFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
 ) -> None:
     server, cfg = _setup(
         redis_factory,
@@ -158,4 +177,4 @@ def test_eviction_under_volatile_lru(
         except Exception:
             pass  # past maxmemory Redis may refuse writes: eviction is what matters
         filler.close()
-        _all_done_once(c, keys, timeout_s=30)
+        verdict.check(c, keys, timeout_s=30)

@@ -1,0 +1,171 @@
+"""The fault suite's verdicts, and docs/RELIABILITY.md built from them.
+
+A fault test ends with ``verdict.check(client, keys, ...)``: it waits for every task to
+finish, counts how often each ran, records one row (scenario, tasks, run once, run
+twice, lost, time to recover) and then asserts. Each pytest process appends its rows to
+``build/reliability/<worker>.jsonl``; the controlling process merges them at the end of
+the session into ``build/RELIABILITY.md`` (``make reliability`` copies it to docs/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+
+from keyexpiry import Client
+from keyexpiry.store import TaskStatus
+from tests import sample_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT_DIR = ROOT / "build" / "reliability"
+REPORT = ROOT / "build" / "RELIABILITY.md"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One scenario's outcome, as the report shows it."""
+
+    scenario: str
+    backend: str
+    tasks: int
+    run_once: int
+    run_twice: int
+    lost: int
+    recover_s: float
+    guarantee: str
+
+
+class Verdict:
+    """Counts how each task of a scenario ended, records it, then asserts it."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self._request = request
+        node = request.node
+        params = getattr(getattr(node, "callspec", None), "params", {})
+        db = params.get("db_url")
+        uses_mariadb = {"mysql_url", "mariadb_factory"} & set(request.fixturenames)
+        self.backend = "mariadb" if db == "mysql" or (db is None and uses_mariadb) else "sqlite"
+        ids = getattr(getattr(node, "callspec", None), "id", "")
+        variant = [part for part in ids.split("-") if part and part not in ("sqlite", "mariadb")]
+        name = node.originalname.removeprefix("test_").replace("_", " ")
+        self.scenario = name + (f" [{', '.join(variant)}]" if variant else "")
+
+    def check(
+        self,
+        client: Client,
+        keys: Sequence[str],
+        *,
+        since_ms: int | None = None,
+        timeout_s: float = 30.0,
+        at_least_once: bool = False,
+        calls: Mapping[str, int] | None = None,
+    ) -> Row:
+        """Wait until every key is done (or `timeout_s` passes), record, then assert.
+
+        `since_ms` is when the fault ended (Redis clock); recovery is measured from it,
+        or from the last due time when it is later. `at_least_once` is for the
+        documented crash windows, where a second run is allowed. `calls` counts handler
+        runs (default: the in-process sample tasks).
+        """
+        deadline = time.monotonic() + timeout_s
+        rows = client.store.get_many(list(keys))
+        while time.monotonic() < deadline:
+            if all(r.status is TaskStatus.DONE for r in rows.values()) and len(rows) == len(keys):
+                break
+            time.sleep(0.02)
+            rows = client.store.get_many(list(keys))
+        counts = sample_tasks.CALLS if calls is None else calls
+        runs = [counts.get(k, 0) for k in keys]
+        done = [r for r in rows.values() if r.status is TaskStatus.DONE]
+        start_ms = max([r.due_at_ms for r in rows.values()] + [since_ms or 0])
+        end_ms = max((r.finished_at_ms or 0 for r in done), default=start_ms)
+        row = Row(
+            scenario=self.scenario,
+            backend=self.backend,
+            tasks=len(keys),
+            run_once=sum(1 for n in runs if n == 1),
+            run_twice=sum(1 for n in runs if n > 1),
+            lost=sum(1 for n in runs if n == 0),
+            recover_s=round(max(0, end_ms - start_ms) / 1000, 2),
+            guarantee="at least once" if at_least_once else "exactly once",
+        )
+        _append(self._request.config, row)
+        late = [r.key for r in rows.values() if r.started_at_ms and r.started_at_ms < r.due_at_ms]
+        assert not late, f"ran before due: {late[:5]}"
+        not_done = [k for k in keys if k not in rows or rows[k].status is not TaskStatus.DONE]
+        assert not not_done, f"{len(not_done)} not done within {timeout_s} s, e.g. {not_done[:3]}"
+        assert row.lost == 0, row
+        if not at_least_once:
+            assert row.run_twice == 0, row
+        return row
+
+
+@pytest.fixture
+def verdict(request: pytest.FixtureRequest) -> Verdict:
+    """``verdict.check(client, keys)``: wait, record for RELIABILITY.md, assert."""
+    return Verdict(request)
+
+
+def _worker(config: pytest.Config) -> str:
+    workerinput = getattr(config, "workerinput", None)
+    return str(workerinput["workerid"]) if workerinput else "main"
+
+
+def _append(config: pytest.Config, row: Row) -> None:
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    with (OUT_DIR / f"{_worker(config)}.jsonl").open("a") as fh:
+        fh.write(json.dumps(asdict(row)) + "\n")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        shutil.rmtree(OUT_DIR, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput") or not OUT_DIR.is_dir():
+        return
+    rows = sorted(_read_rows(), key=lambda r: (r.scenario, r.backend))
+    if rows:
+        REPORT.write_text(render(rows))
+        target = os.environ.get("KEYEXPIRY_RELIABILITY_OUT")
+        if target:
+            shutil.copyfile(REPORT, target)
+
+
+def _read_rows() -> Iterator[Row]:
+    for path in sorted(OUT_DIR.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            yield Row(**json.loads(line))
+
+
+def render(rows: Sequence[Row]) -> str:
+    """The Markdown report for `rows`."""
+    lines = [
+        "# Reliability: the fault suite's results",
+        "",
+        "Produced by `make reliability` (runs `tests/faults/` against real redis-server and",
+        "MariaDB/SQLite and writes this file); every row is one scenario's ledger and handler",
+        "counts. *Recover* is the time from the later of the fault's end and the last due time",
+        "to the last task finished. See docs/GUARANTEES.md for what is promised.",
+        "",
+        "| scenario | ledger | tasks | run once | run twice | lost | recover (s) | promise |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.scenario} | {r.backend} | {r.tasks} | {r.run_once} | {r.run_twice} "
+            f"| {r.lost} | {r.recover_s:.2f} | {r.guarantee} |"
+        )
+    total = sum(r.tasks for r in rows)
+    lost = sum(r.lost for r in rows)
+    twice = sum(r.run_twice for r in rows)
+    lines += ["", f"{len(rows)} scenario runs, {total} tasks, {lost} lost, {twice} run twice.", ""]
+    return "\n".join(lines)
