@@ -125,6 +125,9 @@ class ListenerProcess:
     _sampler: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _cpu_start: float = 0.0
+    starts_path: Path = field(
+        default_factory=lambda: Path(tempfile.mkstemp(prefix="ke-starts-", suffix=".txt")[1])
+    )
 
     def __enter__(self) -> ListenerProcess:
         env = {
@@ -134,9 +137,15 @@ class ListenerProcess:
             "KEYEXPIRY_DRIVER": "true" if self.driver else "false",
             "KEYEXPIRY_SENTINEL_COUNT": "0",
             "KEYEXPIRY_LOG_LEVEL": "WARNING",
+            "KEYEXPIRY_BENCH_STARTS": str(self.starts_path),
         }
+        # KEYEXPIRY_BENCH_PYSPY=out.txt records the listener with py-spy (a profile, not a figure).
+        profile = os.environ.get("KEYEXPIRY_BENCH_PYSPY")
+        pyspy = str(Path(sys.executable).with_name("py-spy"))
+        spy = [pyspy, "record", "-r", "250", "-f", "raw", "-o", profile, "--"] if profile else []
         self.proc = subprocess.Popen(
             [
+                *spy,
                 sys.executable,
                 "-m",
                 "keyexpiry",
@@ -185,12 +194,17 @@ class ListenerProcess:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self.proc is not None:
-            self.proc.terminate()
+            children = self._ps.children()  # the listener itself when py-spy wraps it
+            for child in children:
+                child.terminate()
+            if not children:
+                self.proc.terminate()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.starts_path.unlink(missing_ok=True)
 
 
 def count_status(client: Client, status: TaskStatus) -> int:
@@ -211,15 +225,28 @@ def wait_done(client: Client, expected: int, cap_s: float) -> float:
     return time.monotonic() - start
 
 
-def lateness_and_rate(client: Client, key_like: str) -> dict[str, Any]:
-    """Lateness (ms, claim time minus due time) and tasks/s of done rows whose key matches."""
+def handler_lateness(path: Path) -> list[float]:
+    """Lateness (ms, handler start minus due) the listener's bench handlers wrote to `path`."""
+    return [float(line) for line in path.read_text().split()]
+
+
+def lateness_and_rate(client: Client, key_like: str, starts: Path | None = None) -> dict[str, Any]:
+    """Lateness (ms, to handler start) and tasks/s of done rows whose key matches.
+
+    Lateness is read from `starts` (what the handlers noted) when given, else it is the ledger's
+    claim time minus due time.
+    """
     with client.store.engine.connect() as conn:
         rows = conn.execute(
             select(T.c.due_at_ms, T.c.started_at_ms, T.c.finished_at_ms).where(
                 T.c.status == TaskStatus.DONE.value, T.c.task_key.like(key_like)
             )
         ).all()
-    late = [float(r.started_at_ms - r.due_at_ms) for r in rows]
+    late = (
+        handler_lateness(starts)
+        if starts is not None
+        else [float(r.started_at_ms - r.due_at_ms) for r in rows]
+    )
     out: dict[str, Any] = {f"late_{k}_ms": v for k, v in percentiles(late).items()}
     out["fired"] = len(rows)
     if len(rows) > 1:

@@ -69,7 +69,7 @@ def due_wave(
         wait_s = max(0.0, (first_due - client.clock.now_ms()) / 1000)
         waited = wait_done(client, n, cap_s=wait_s + span_s + cap_s)
         cpu_s = listener.cpu_since_start()
-        figures = lateness_and_rate(client, NOOP)
+        figures = lateness_and_rate(client, NOOP, listener.starts_path)
         figures.update(
             n=n,
             create_s=round(create_s, 3),

@@ -10,7 +10,8 @@ from sqlalchemy import Engine
 
 @dataclass(frozen=True, slots=True)
 class TaskContext:
-    """The run in progress: its key, attempt number (1-based), due time and the ledger engine.
+    """The run in progress: its key, attempt number (1-based), due and start times (epoch ms on
+    the shared clock) and the ledger engine.
 
     `engine` is the ledger's engine; handlers whose business tables live in the same database may
     use it (as the examples in `tasks/` do).
@@ -20,6 +21,7 @@ class TaskContext:
     attempt: int
     due_at_ms: int
     engine: Engine
+    started_at_ms: int = 0
 
 
 _current: ContextVar[TaskContext | None] = ContextVar("keyexpiry_task", default=None)

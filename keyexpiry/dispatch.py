@@ -16,6 +16,7 @@ import time
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import redis
 from loguru import logger
@@ -29,7 +30,14 @@ from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.settings import Settings
 from keyexpiry.store import Outcome, Store, TaskRow, TaskStatus
 
+if TYPE_CHECKING:
+    from loguru import Logger
+
 _ERROR_MAX_CHARS = 8000
+# Claims may run ahead of the workers by about this much queued work, so the claimer's round trip
+# is paid per batch, not per worker slot; the queue stays short enough that a claim's lease
+# rarely needs extending before its handler starts.
+_QUEUE_TARGET_S = 0.25
 
 
 @dataclass(eq=False)
@@ -38,6 +46,7 @@ class _Run:
     token: str
     spec: TaskSpec
     timeout_s: float
+    lease_until_ms: int
     started_s: float | None = None
     abandoned: bool = False
 
@@ -53,6 +62,8 @@ class DispatchStats:
     dead: int = 0
     timed_out: int = 0
     not_claimed: int = 0
+    leases_extended: int = 0
+    claims_lost: int = 0
     ignored: int = 0
     store_errors: int = 0
     by_key: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -92,6 +103,7 @@ class Dispatcher:
         self._seq = itertools.count(1)
         self._threads: list[threading.Thread] = []
         self._warned_unknown: set[str] = set()
+        self._run_s_avg: float | None = None  # moving average of handler run time
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -174,11 +186,11 @@ class Dispatcher:
                     continue
             with self._cond:
                 self._claiming = True
-                while self._inflight >= self.settings.concurrency:
+                while self._inflight >= self._claim_limit():
                     if self._stop_claiming.is_set():
                         break
                     self._cond.wait(0.1)
-                room = min(self.settings.concurrency - self._inflight, self.settings.claim_batch)
+                room = min(self._claim_limit() - self._inflight, self.settings.claim_batch)
             if self._stop_claiming.is_set():
                 self._claiming = False
                 break
@@ -206,6 +218,19 @@ class Dispatcher:
                 backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
             finally:
                 self._claiming = False
+
+    def _claim_limit(self) -> int:
+        """How many claimed runs may be in flight: the workers plus a short queue ahead of them.
+
+        The queue is sized from the measured run time so it holds about `_QUEUE_TARGET_S` of work:
+        hundreds for trivial handlers, none beyond the pool for slow ones.
+        """
+        workers = self.settings.concurrency
+        avg = self._run_s_avg
+        if avg is None:
+            return workers * 2
+        ahead = int(workers * _QUEUE_TARGET_S / max(avg, 1e-4))
+        return workers + min(ahead, self.settings.claim_batch)
 
     def _drain_incoming(self) -> None:
         limit = self.settings.claim_batch * 4
@@ -235,7 +260,7 @@ class Dispatcher:
             self._inflight += len(rows)
         for row in rows:
             spec = specs[row.key]
-            self._runq.put(_Run(row, token, spec, self._timeout_s(spec)))
+            self._runq.put(_Run(row, token, spec, self._timeout_s(spec), lease_until_ms))
         claimed = {r.key for r in rows}
         unclaimed = [k for k in specs if k not in claimed]
         if unclaimed:
@@ -303,6 +328,12 @@ class Dispatcher:
     def _execute(self, run: _Run) -> bool:
         row = run.row
         log = logger.bind(key=row.key, attempt=row.attempts)
+        started_ms = self.clock.now_ms()
+        if not self._lease_covers(run, started_ms, log):
+            with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+            return False
         with self._cond:
             run.started_s = monotonic_s()
             self._running[row.id] = run
@@ -313,7 +344,9 @@ class Dispatcher:
             outcome = self._outcome(run, TaskStatus.DEAD, f"not runnable: {exc}")
             log.error("not runnable: {}", exc)
         else:
-            set_current(TaskContext(row.key, row.attempts, row.due_at_ms, self.store.engine))
+            set_current(
+                TaskContext(row.key, row.attempts, row.due_at_ms, self.store.engine, started_ms)
+            )
             try:
                 # Every line the handler logs carries its key and attempt too.
                 with logger.contextualize(key=row.key, attempt=row.attempts):
@@ -338,6 +371,9 @@ class Dispatcher:
             self._running.pop(row.id, None)
             self._inflight -= 1
             self._outcomes.append(outcome)
+            took_s = monotonic_s() - run.started_s
+            avg = self._run_s_avg
+            self._run_s_avg = took_s if avg is None else avg + 0.05 * (took_s - avg)
             self._cond.notify_all()
         if outcome.status is TaskStatus.DONE and outcome.finished_at_ms is not None:
             log.info(
@@ -346,6 +382,33 @@ class Dispatcher:
                 (row.started_at_ms or 0) - row.due_at_ms,
             )
         return False
+
+    def _lease_covers(self, run: _Run, now_ms: int, log: Logger) -> bool:
+        """Make sure the claim's lease outlasts this run; False if the claim was lost meanwhile.
+
+        A run that waited in the queue may start with less lease left than its timeout; without
+        an extension another listener could take it over mid-run and run it a second time.
+        """
+        grace_ms = int(self.settings.lease_grace_s * 1000)
+        needed_ms = now_ms + int(run.timeout_s * 1000) + grace_ms // 2
+        if run.lease_until_ms >= needed_ms:
+            return True
+        until_ms = now_ms + int(run.timeout_s * 1000) + grace_ms
+        try:
+            kept = self.store.extend_lease(run.row.id, run.token, until_ms, now_ms)
+        except StoreError as exc:
+            # Unknown whether the lease still holds: give the run back to reconciliation rather
+            # than risk a second copy running.
+            log.warning("could not extend a late-starting claim's lease: {}; not running", exc)
+            self.stats.claims_lost += 1
+            return False
+        if not kept:
+            log.warning("claim lost while queued (its lease ran out); not running it here")
+            self.stats.claims_lost += 1
+            return False
+        run.lease_until_ms = until_ms
+        self.stats.leases_extended += 1
+        return True
 
     def _outcome(self, run: _Run, status: TaskStatus, error: str | None) -> Outcome:
         now_ms = self.clock.now_ms()

@@ -512,6 +512,21 @@ class Store:
             )
         return int(result.rowcount)
 
+    @_retried
+    def extend_lease(self, task_id: int, token: str, lease_until_ms: int, now_ms: int) -> bool:
+        """Push out the lease of a claimed run that starts late; False if the claim was lost."""
+        with self._tx() as conn:
+            result = conn.execute(
+                update(T)
+                .where(
+                    T.c.id == task_id,
+                    T.c.claimed_by == token,
+                    T.c.status == TaskStatus.RUNNING.value,
+                )
+                .values(lease_until_ms=lease_until_ms, updated_at_ms=now_ms)
+            )
+        return bool(result.rowcount)
+
     # --- reconciliation -------------------------------------------------------------------------
     @_retried
     def pending_page(self, *, after_id: int, limit: int) -> list[TaskRow]:

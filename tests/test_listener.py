@@ -290,3 +290,45 @@ def test_keyexpirys_own_keys_of_other_listeners_are_not_reported_as_bad_keys(
     key = client.create("Probe.record", "still-fine", ttl_ms=50)
     wait_status(client, key, TaskStatus.DONE)
     assert first.listener.ignored == 0 and second.listener.ignored == 0
+
+
+def _queued_behind_a_slow_handler(
+    client: Client, settings: Settings, start_listener: StartListener, name: str
+) -> tuple[Running, str]:
+    """One worker busy in Probe.wait; a Probe.record run claimed and queued behind it."""
+    cfg = settings.replace(concurrency=1, handler_timeout_s=1.0, lease_grace_s=0.5)
+    running = start_listener(cfg)
+    blocker = client.create("Probe.wait", name, ttl_ms=0)
+    wait_until(lambda: sample_tasks.CALLS[blocker] == 1, 5)
+    queued = client.create("Probe.record", name, ttl_ms=0)
+    wait_status(client, queued, TaskStatus.RUNNING)
+    assert sample_tasks.CALLS[queued] == 0
+    return running, queued
+
+
+def test_a_claim_that_waited_in_the_queue_gets_its_lease_extended_before_it_runs(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    running, queued = _queued_behind_a_slow_handler(client, settings, start_listener, "extend")
+    claimed = client.store.get(queued)
+    assert claimed is not None and claimed.lease_until_ms is not None
+    # Past half the grace: the lease left no longer covers a full run.
+    wait_until(lambda: client.clock.now_ms() > claimed.started_at_ms + 400, 5)  # type: ignore[operator]
+    sample_tasks.gate("extend").set()
+    row = wait_status(client, queued, TaskStatus.DONE)
+    assert row.attempts == 1 and sample_tasks.CALLS[queued] == 1
+    assert running.listener.dispatcher.stats.leases_extended == 1
+
+
+def test_a_claim_whose_lease_ran_out_in_the_queue_is_not_run_a_second_time(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    running, queued = _queued_behind_a_slow_handler(client, settings, start_listener, "lost")
+    # The lease sweep takes the queued run back (as it would for a dead listener).
+    wait_status(client, queued, TaskStatus.PENDING)
+    sample_tasks.gate("lost").set()
+    row = wait_status(client, queued, TaskStatus.DONE)
+    assert row.attempts == 2
+    wait_until(lambda: running.listener.dispatcher.idle(), 5)
+    assert sample_tasks.CALLS[queued] == 1
+    assert running.listener.dispatcher.stats.claims_lost == 1
