@@ -11,6 +11,16 @@ from keyexpiry.keys import wake_channel
 from keyexpiry.settings import Settings
 
 _WAKE_ENTRIES_PER_MESSAGE = 1000
+# Below this many future keys plain SETs are cheaper than a script (whose load check costs a
+# round trip); above it one script call per chunk replaces a command and a reply per key.
+_SCRIPT_MIN_KEYS = 64
+_SCRIPT_CHUNK = 1000
+_ARM_SCRIPT = """
+for i = 1, #KEYS do
+  redis.call('SET', KEYS[i], '', 'PXAT', ARGV[i])
+end
+return #KEYS
+"""
 
 
 def arm_keys(
@@ -28,12 +38,23 @@ def arm_keys(
     pipe = client.pipeline(transaction=False)
     soon: list[str] = []
     horizon = now_ms + int(settings.wake_ahead_s * 1000)
+    future = [(k, d) for k, d in items if d > now_ms]
+    scripted = len(future) >= _SCRIPT_MIN_KEYS
     for key, due_ms in items:
-        pipe.set(key, b"", pxat=max(due_ms, 1))
         if due_ms <= now_ms:
+            # Already due: a plain SET, then a lookup right behind it so Redis expires it now.
+            pipe.set(key, b"", pxat=max(due_ms, 1))
             pipe.exists(key)
-        elif due_ms <= horizon:
-            soon.append(f"{due_ms} {key}")
+        else:
+            if not scripted:
+                pipe.set(key, b"", pxat=due_ms)
+            if due_ms <= horizon:
+                soon.append(f"{due_ms} {key}")
+    if scripted:
+        script = client.register_script(_ARM_SCRIPT)
+        for start in range(0, len(future), _SCRIPT_CHUNK):
+            chunk = future[start : start + _SCRIPT_CHUNK]
+            script(keys=[k for k, _ in chunk], args=[d for _, d in chunk], client=pipe)
     channel = wake_channel(redis_db(client), settings.key_prefix)
     for start in range(0, len(soon), _WAKE_ENTRIES_PER_MESSAGE):
         pipe.publish(channel, "\n".join(soon[start : start + _WAKE_ENTRIES_PER_MESSAGE]))

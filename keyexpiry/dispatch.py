@@ -149,7 +149,12 @@ class Dispatcher:
                     "reconciliation will run them again",
                     len(self._running),
                 )
-        self._flush_outcomes(deadline=max(deadline, monotonic_s() + 5.0))
+        flush_deadline = max(deadline, monotonic_s() + 5.0)
+        self._flush_outcomes(deadline=flush_deadline)
+        with self._cond:
+            # The recorder may have taken the last batch just before us: wait for its write.
+            while self._recording and monotonic_s() < flush_deadline:
+                self._cond.wait(0.05)
         self._stopped.set()
         with self._cond:
             self._cond.notify_all()

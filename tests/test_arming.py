@@ -1,0 +1,56 @@
+"""Setting task keys in Redis: plain pipeline for a few, one script per chunk for many."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from keyexpiry.arming import arm_keys
+from keyexpiry.keys import wake_channel
+from keyexpiry.settings import Settings
+from tests.servers import wait_until
+
+
+@pytest.mark.parametrize("n", [3, 2500], ids=["pipeline", "script"])
+def test_every_key_expires_exactly_at_its_due_time(redis_url: str, n: int) -> None:
+    r = redis.Redis.from_url(redis_url)
+    now_ms = int(r.time()[0]) * 1000
+    items = [(f"Probe@record@arm{i}", now_ms + 60_000 + i) for i in range(n)]
+    arm_keys(r, items, now_ms, Settings(wake_ahead_s=120))
+    pipe = r.pipeline(transaction=False)
+    for key, _ in items:
+        pipe.execute_command("PEXPIRETIME", key)
+    assert pipe.execute() == [due for _, due in items]
+    r.close()
+
+
+def test_keys_already_due_expire_at_once_as_expired_and_the_rest_wake_the_driver(
+    redis_url: str,
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    sub = r.pubsub()
+    sub.subscribe("__keyevent@0__:expired", wake_channel(0, ""))
+    wait_until(lambda: sub.get_message(timeout=0.1) is None, 5)  # drain subscribe replies
+    now_ms = int(r.time()[0]) * 1000
+    past = [(f"Probe@record@past{i}", now_ms - 1000 - i) for i in range(5)]
+    future = [(f"Probe@record@soon{i}", now_ms + 60_000 + i) for i in range(100)]
+    arm_keys(r, past + future, now_ms, Settings(wake_ahead_s=120))
+    expired: set[str] = set()
+    woken: set[str] = set()
+
+    def got_all() -> bool:
+        msg = sub.get_message(timeout=0.1)
+        if msg and msg["type"] == "message":
+            data = msg["data"].decode()
+            if msg["channel"].startswith(b"__keyevent"):
+                expired.add(data)
+            else:
+                woken.update(line.partition(" ")[2] for line in data.split("\n"))
+        return len(expired) == len(past) and len(woken) == len(future)
+
+    wait_until(got_all, 5)
+    assert expired == {k for k, _ in past}
+    assert woken == {k for k, _ in future}
+    assert r.exists(*(k for k, _ in future)) == len(future)
+    sub.close()
+    r.close()
