@@ -163,11 +163,13 @@ class ListenerProcess:
         self._sampler.start()
         return self
 
-    def wait_subscribed(self, client: redis.Redis, timeout_s: float = 20) -> None:
-        """Until the listener has subscribed (its pubsub client shows up)."""
+    def wait_subscribed(
+        self, client: redis.Redis, timeout_s: float = 20, *, listeners: int = 1
+    ) -> None:
+        """Until the listeners have subscribed (their pubsub clients show up)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if int(client.pubsub_numsub("__keyevent@0__:expired")[0][1]) > 0:
+            if int(client.pubsub_numsub("__keyevent@0__:expired")[0][1]) >= listeners:
                 time.sleep(0.3)  # let start-up reconciliation finish
                 self._cpu_start = self.cpu_s()
                 return
@@ -225,12 +227,14 @@ def wait_done(client: Client, expected: int, cap_s: float) -> float:
     return time.monotonic() - start
 
 
-def handler_lateness(path: Path) -> list[float]:
-    """Lateness (ms, handler start minus due) the listener's bench handlers wrote to `path`."""
-    return [float(line) for line in path.read_text().split()]
+def handler_lateness(paths: list[Path]) -> list[float]:
+    """Lateness (ms, handler start minus due) the listeners' bench handlers wrote to `paths`."""
+    return [float(line) for path in paths for line in path.read_text().split()]
 
 
-def lateness_and_rate(client: Client, key_like: str, starts: Path | None = None) -> dict[str, Any]:
+def lateness_and_rate(
+    client: Client, key_like: str, starts: list[Path] | None = None
+) -> dict[str, Any]:
     """Lateness (ms, to handler start) and tasks/s of done rows whose key matches.
 
     Lateness is read from `starts` (what the handlers noted) when given, else it is the ledger's

@@ -88,8 +88,11 @@ def run(names: list[str], *, runs: int, backend: str, quick: bool, out: Path) ->
                             ),
                         )
             else:
-                for driver in (True, False):
+                # Throughput also runs two listeners: what a second one costs or gains.
+                variants = [(True, 1), (False, 1)] + ([(True, 2)] if name == "throughput" else [])
+                for driver, listeners in variants:
                     label = f"driver={'on' if driver else 'off'}"
+                    label += f" listeners={listeners}" if listeners > 1 else ""
                     if name == "steady":
                         kw: dict[str, Any] = {
                             "n": int(10_000 * size),
@@ -103,7 +106,9 @@ def run(names: list[str], *, runs: int, backend: str, quick: bool, out: Path) ->
                     res[label] = _runs(
                         label,
                         runs,
-                        functools.partial(_fresh_wave, srv, backend, driver, kw),
+                        functools.partial(
+                            _fresh_wave, srv, backend, driver, {**kw, "listeners": listeners}
+                        ),
                     )
             report["scenarios"][name] = res
             out.write_text(json.dumps(report, indent=2, default=str))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -56,27 +57,35 @@ def due_wave(
     cap_s: float,
     lead_s: float = 3.0,
     concurrency: int = 8,
+    listeners: int = 1,
 ) -> dict[str, Any]:
-    """`n` tasks due over `span_s` seconds; lateness, rate, listener CPU/RSS, fired by the cap."""
+    """`n` tasks due over `span_s` seconds; lateness, rate, listener CPU/RSS, fired by the cap.
+
+    With several `listeners` the CPU is their sum, the RSS the largest, the lateness of all.
+    """
     redis_url, db_url = urls
-    with (
-        Client(settings_for(redis_url, db_url)) as client,
-        ListenerProcess(redis_url, db_url, driver, concurrency) as listener,
-    ):
-        listener.wait_subscribed(client.redis)
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(Client(settings_for(redis_url, db_url)))
+        procs = [
+            stack.enter_context(ListenerProcess(redis_url, db_url, driver, concurrency))
+            for _ in range(listeners)
+        ]
+        for proc in procs:
+            proc.wait_subscribed(client.redis, listeners=len(procs))
         first_due = client.clock.now_ms() + int(lead_s * 1000)
         create_s = _create_wave(client, n, first_due, int(span_s * 1000))
         wait_s = max(0.0, (first_due - client.clock.now_ms()) / 1000)
         waited = wait_done(client, n, cap_s=wait_s + span_s + cap_s)
-        cpu_s = listener.cpu_since_start()
-        figures = lateness_and_rate(client, NOOP, listener.starts_path)
+        cpu_s = sum(p.cpu_since_start() for p in procs)
+        figures = lateness_and_rate(client, NOOP, [p.starts_path for p in procs])
         figures.update(
             n=n,
             create_s=round(create_s, 3),
             all_fired=figures["fired"] == n,
             waited_s=round(waited, 1),
             listener_cpu_s=round(cpu_s, 2),
-            listener_rss_mb=round(listener.rss_max_mb, 1),
+            listener_rss_mb=round(max(p.rss_max_mb for p in procs), 1),
+            listeners=listeners,
             max_attempts=_max_attempts(client),
         )
         purge(client, NOOP)
