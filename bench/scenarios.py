@@ -61,7 +61,9 @@ def due_wave(
     redis_url, db_url = urls
     with (
         Client(settings_for(redis_url, db_url)) as client,
-        ListenerProcess(redis_url, db_url, driver, concurrency) as listener,
+        ListenerProcess(
+            redis_url=redis_url, db_url=db_url, driver=driver, concurrency=concurrency
+        ) as listener,
     ):
         listener.wait_subscribed(client.redis)
         first_due = client.clock.now_ms() + int(lead_s * 1000)
