@@ -4,8 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# The peers benchmark has a venv of its own: arq pins redis-py below 6 (and brings hiredis), which
+# the main venv must not get (its mypy checks keyexpiry against the redis-py it really uses).
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed-stamp
+BENCH_ARGS ?= --runs 3
 
-.PHONY: demo listen test lint format servers reliability clean
+.PHONY: demo listen test lint format servers reliability bench-peers clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -m venv $(VENV) 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv && $(PY) -m venv $(VENV); }
@@ -43,5 +48,15 @@ test: $(STAMP) servers lint
 reliability: $(STAMP) servers
 	KEYEXPIRY_RELIABILITY_OUT=docs/RELIABILITY.md $(BIN)/pytest -n 2 tests/faults $(PYTEST_ARGS)
 
+$(PEERS_STAMP): pyproject.toml
+	$(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/pip install -q -e '.[test,peers]'
+	@touch $(PEERS_STAMP)
+
+## bench-peers: steady on keyexpiry, huey and arq side by side (BENCH_ARGS, default --runs 3)
+bench-peers: $(PEERS_STAMP) servers
+	$(PEERS_VENV)/bin/keyexpiry bench --scenario steady $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build
+	rm -rf $(VENV) $(PEERS_VENV) .mypy_cache .ruff_cache .pytest_cache build

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import secrets
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 import redis
@@ -52,8 +53,16 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
 def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
+    """What the figures were measured on (client libraries too: the `peers` extra pins
+    redis-py below 6 and brings hiredis, which every Redis client in the run then uses)."""
     rs = find_binary("redis-server")
     ver = subprocess.run([rs or "redis-server", "--version"], capture_output=True, text=True).stdout
     return {
@@ -65,6 +74,10 @@ def machine() -> dict[str, Any]:
         "mariadb": subprocess.run(
             [find_binary("mariadbd") or "mariadbd", "--version"], capture_output=True, text=True
         ).stdout.strip(),
+        "redis_py": _version("redis"),
+        "hiredis": _version("hiredis"),
+        "huey": _version("huey"),
+        "arq": _version("arq"),
     }
 
 
@@ -113,76 +126,51 @@ def settings_for(redis_url: str, db_url: str, **overrides: Any) -> Settings:
 
 
 @dataclass
-class ListenerProcess:
-    """`keyexpiry listen` in its own process, so its CPU and memory are measured alone."""
+class MeasuredProcess:
+    """A worker process of its own, so its CPU and memory are measured alone.
 
-    redis_url: str
-    db_url: str
-    driver: bool
-    concurrency: int = 8
-    proc: subprocess.Popen[bytes] | None = None
-    rss_max_mb: float = 0.0
-    _sampler: threading.Thread | None = None
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _cpu_start: float = 0.0
-    starts_path: Path = field(
-        default_factory=lambda: Path(tempfile.mkstemp(prefix="ke-starts-", suffix=".txt")[1])
-    )
+    Subclasses say what to run (`argv`, `env`); this starts it in the repository root, samples its
+    peak RSS and stops it on exit.
+    """
 
-    def __enter__(self) -> ListenerProcess:
-        env = {
-            **os.environ,
-            "KEYEXPIRY_REDIS_URL": self.redis_url,
-            "KEYEXPIRY_DATABASE_URL": self.db_url,
-            "KEYEXPIRY_DRIVER": "true" if self.driver else "false",
-            "KEYEXPIRY_SENTINEL_COUNT": "0",
-            "KEYEXPIRY_LOG_LEVEL": "WARNING",
-            "KEYEXPIRY_BENCH_STARTS": str(self.starts_path),
-        }
-        # KEYEXPIRY_BENCH_PYSPY=out.txt records the listener with py-spy (a profile, not a figure).
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    rss_max_mb: float = field(default=0.0, init=False)
+    _sampler: threading.Thread | None = field(default=None, init=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _cpu_start: float = field(default=0.0, init=False)
+
+    def argv(self) -> list[str]:
+        """The command line (after the Python interpreter)."""
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        """Extra environment variables."""
+        return {}
+
+    def __enter__(self) -> Self:
+        # KEYEXPIRY_BENCH_PYSPY=out.txt records the process with py-spy (a profile, not a figure).
         profile = os.environ.get("KEYEXPIRY_BENCH_PYSPY")
         pyspy = str(Path(sys.executable).with_name("py-spy"))
         spy = [pyspy, "record", "-r", "250", "-f", "raw", "-o", profile, "--"] if profile else []
         self.proc = subprocess.Popen(
-            [
-                *spy,
-                sys.executable,
-                "-m",
-                "keyexpiry",
-                "listen",
-                "--tasks",
-                "bench.tasks",
-                "--concurrency",
-                str(self.concurrency),
-            ],
-            cwd=ROOT,
-            env=env,
+            [*spy, sys.executable, *self.argv()], cwd=ROOT, env={**os.environ, **self.env()}
         )
         self._ps = psutil.Process(self.proc.pid)
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
         return self
 
-    def wait_subscribed(
-        self, client: redis.Redis, timeout_s: float = 20, *, listeners: int = 1
-    ) -> None:
-        """Until the listeners have subscribed (their pubsub clients show up)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if int(client.pubsub_numsub("__keyevent@0__:expired")[0][1]) >= listeners:
-                time.sleep(0.3)  # let start-up reconciliation finish
-                self._cpu_start = self.cpu_s()
-                return
-            time.sleep(0.02)
-        raise RuntimeError("listener did not subscribe")
+    def mark_ready(self) -> None:
+        """From now on CPU counts towards the run (start-up is left out)."""
+        self._cpu_start = self.cpu_s()
 
     def cpu_s(self) -> float:
-        """CPU seconds the listener used so far."""
+        """CPU seconds the process used so far."""
         t = self._ps.cpu_times()
         return float(t.user + t.system)
 
     def cpu_since_start(self) -> float:
-        """CPU seconds since it subscribed."""
+        """CPU seconds since it was ready."""
         return self.cpu_s() - self._cpu_start
 
     def _sample(self) -> None:
@@ -196,7 +184,7 @@ class ListenerProcess:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self.proc is not None:
-            children = self._ps.children()  # the listener itself when py-spy wraps it
+            children = self._ps.children()  # the measured process itself when py-spy wraps it
             for child in children:
                 child.terminate()
             if not children:
@@ -206,7 +194,59 @@ class ListenerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@dataclass
+class ListenerProcess(MeasuredProcess):
+    """`keyexpiry listen` for the benchmark tasks."""
+
+    redis_url: str = ""
+    db_url: str = ""
+    driver: bool = True
+    concurrency: int = 8
+    starts_path: Path = field(
+        default_factory=lambda: Path(tempfile.mkstemp(prefix="ke-starts-", suffix=".txt")[1])
+    )
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
         self.starts_path.unlink(missing_ok=True)
+
+    def argv(self) -> list[str]:
+        """`python -m keyexpiry listen --tasks bench.tasks`."""
+        return [
+            "-m",
+            "keyexpiry",
+            "listen",
+            "--tasks",
+            "bench.tasks",
+            "--concurrency",
+            str(self.concurrency),
+        ]
+
+    def env(self) -> dict[str, str]:
+        """The servers, the driver switch, no sentinels, quiet logs, where to note starts."""
+        return {
+            "KEYEXPIRY_BENCH_STARTS": str(self.starts_path),
+            "KEYEXPIRY_REDIS_URL": self.redis_url,
+            "KEYEXPIRY_DATABASE_URL": self.db_url,
+            "KEYEXPIRY_DRIVER": "true" if self.driver else "false",
+            "KEYEXPIRY_SENTINEL_COUNT": "0",
+            "KEYEXPIRY_LOG_LEVEL": "WARNING",
+        }
+
+    def wait_subscribed(
+        self, client: redis.Redis, timeout_s: float = 20, *, listeners: int = 1
+    ) -> None:
+        """Until the listeners have subscribed (their pubsub clients show up)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if int(client.pubsub_numsub("__keyevent@0__:expired")[0][1]) >= listeners:
+                time.sleep(0.3)  # let start-up reconciliation finish
+                self.mark_ready()
+                return
+            time.sleep(0.02)
+        raise RuntimeError("listener did not subscribe")
 
 
 def count_status(client: Client, status: TaskStatus) -> int:

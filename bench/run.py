@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import peers as peer_bench
 from bench import scenarios
 from bench.harness import Servers, machine, median_of, servers
 
@@ -33,6 +34,7 @@ def _short(r: dict[str, Any]) -> str:
         "late_p99_ms",
         "late_max_ms",
         "fired",
+        "extra_runs",
         "tasks_per_s",
         "single_per_s",
         "bulk_per_s",
@@ -47,8 +49,21 @@ def _fresh_wave(srv: Servers, backend: str, driver: bool, kw: dict[str, Any]) ->
     return scenarios.due_wave(srv, srv.fresh(backend), driver=driver, **kw)
 
 
-def run(names: list[str], *, runs: int, backend: str, quick: bool, out: Path) -> dict[str, Any]:
-    """Run `names` and return (and write to `out`) every figure."""
+def _peer_runs(srv: Servers, runs: int, kw: dict[str, Any]) -> dict[str, Any]:
+    """The steady workload `kw` on each peer library."""
+    return {
+        lib: _runs(lib, runs, functools.partial(peer_bench.steady, srv, lib, **kw))
+        for lib in peer_bench.PEERS
+    }
+
+
+def run(
+    names: list[str], *, runs: int, backend: str, quick: bool, out: Path, peers: bool = True
+) -> dict[str, Any]:
+    """Run `names` and return (and write to `out`) every figure.
+
+    With `peers` (and the `peers` extra installed), steady also runs on huey and arq.
+    """
     size = 0.2 if quick else 1.0
     report: dict[str, Any] = {
         "machine": machine(),
@@ -57,6 +72,13 @@ def run(names: list[str], *, runs: int, backend: str, quick: bool, out: Path) ->
         "quick": quick,
         "scenarios": {},
     }
+    if peers and "steady" in names and (absent := peer_bench.missing()):
+        report["peers_skipped"] = (
+            f"peers skipped: {', '.join(absent)} not installed"
+            " (`make bench-peers` runs them in .venv-peers)"
+        )
+        print(report["peers_skipped"], flush=True)
+        peers = False
     with servers(with_mariadb=backend == "mariadb") as srv:
         for name in names:
             print(f"{name}:", flush=True)
@@ -110,6 +132,8 @@ def run(names: list[str], *, runs: int, backend: str, quick: bool, out: Path) ->
                             _fresh_wave, srv, backend, driver, {**kw, "listeners": listeners}
                         ),
                     )
+                if name == "steady" and peers:
+                    res.update(_peer_runs(srv, runs, kw))
             report["scenarios"][name] = res
             out.write_text(json.dumps(report, indent=2, default=str))
     print_table(report)

@@ -67,7 +67,11 @@ def due_wave(
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(Client(settings_for(redis_url, db_url)))
         procs = [
-            stack.enter_context(ListenerProcess(redis_url, db_url, driver, concurrency))
+            stack.enter_context(
+                ListenerProcess(
+                    redis_url=redis_url, db_url=db_url, driver=driver, concurrency=concurrency
+                )
+            )
             for _ in range(listeners)
         ]
         for proc in procs:

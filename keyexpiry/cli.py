@@ -344,6 +344,11 @@ def bench(
     backend: str = typer.Option("mariadb", "--backend", help="mariadb or sqlite."),
     quick: bool = typer.Option(False, "--quick", help="A fifth of the sizes."),
     out: Path = typer.Option(Path("bench-results/latest.json"), "--json", help="Write here."),
+    peers: bool = typer.Option(
+        True,
+        "--peers/--no-peers",
+        help="Also run steady on huey and arq (needs the `peers` extra; skipped with a note).",
+    ),
 ) -> None:
     """Benchmark against real servers started for the run (from the repository root)."""
     load_task_modules(())
@@ -358,7 +363,7 @@ def bench(
     if unknown or backend not in ("mariadb", "sqlite"):
         raise ConfigError(f"unknown scenario/backend: {unknown or backend}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    run(names, runs=runs, backend=backend, quick=quick, out=out)
+    run(names, runs=runs, backend=backend, quick=quick, out=out, peers=peers)
     typer.echo(f"figures written to {out}")
 
 
