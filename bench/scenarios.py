@@ -78,6 +78,8 @@ def due_wave(
             proc.wait_subscribed(client.redis, listeners=len(procs))
         first_due = client.clock.now_ms() + int(lead_s * 1000)
         create_s = _create_wave(client, n, first_due, int(span_s * 1000))
+        # Above 0 the wave was still being created when it fell due: raise lead_s.
+        created_after_first_due_ms = max(0, client.clock.now_ms() - first_due)
         wait_s = max(0.0, (first_due - client.clock.now_ms()) / 1000)
         waited = wait_done(client, n, cap_s=wait_s + span_s + cap_s)
         cpu_s = sum(p.cpu_since_start() for p in procs)
@@ -85,6 +87,7 @@ def due_wave(
         figures.update(
             n=n,
             create_s=round(create_s, 3),
+            created_after_first_due_ms=created_after_first_due_ms,
             all_fired=figures["fired"] == n,
             waited_s=round(waited, 1),
             listener_cpu_s=round(cpu_s, 2),
