@@ -122,7 +122,12 @@ def run(
                             "cap_s": 60,
                         }
                     elif name == "burst":
-                        kw = {"n": int(100_000 * size), "span_s": 1.0, "cap_s": 60, "lead_s": 30 * size}
+                        kw = {
+                            "n": int(100_000 * size),
+                            "span_s": 1.0,
+                            "cap_s": 60,
+                            "lead_s": 30 * size,
+                        }
                     else:  # throughput: everything due at once, rate is what counts
                         kw = {"n": int(30_000 * size), "span_s": 0.0, "cap_s": 60, "lead_s": 5}
                     res[label] = _runs(
