@@ -29,7 +29,7 @@ from keyexpiry.connections import (
 )
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
-from keyexpiry.errors import RedisConfigError, StoreError
+from keyexpiry.errors import KeyFormatError, RedisConfigError, StoreError
 from keyexpiry.keys import (
     canary_key,
     evicted_channel,
@@ -37,6 +37,7 @@ from keyexpiry.keys import (
     is_internal,
     is_ours,
     is_sentinel,
+    parse_key,
     sentinel_key,
     wake_channel,
 )
@@ -350,6 +351,10 @@ class Listener:
             return
         if not is_ours(key, prefix) or is_internal(key, prefix):
             return  # another listener's canary, a sentinel: the self-checks notice those
+        try:
+            parse_key(key, prefix=prefix)
+        except KeyFormatError:
+            return  # the application's own keys are evicted too: not ours, not worth a line
         self.evicted += 1
         if self.evicted == 1:
             logger.warning(

@@ -13,9 +13,11 @@ import pytest
 from loguru import logger
 
 from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.dispatch import Dispatcher
 from keyexpiry.doctor import run_checks
 from keyexpiry.errors import RedisUnavailableError
 from keyexpiry.listener import REPLICA_PROBLEM
+from keyexpiry.registry import default_registry
 from keyexpiry.store import TaskStatus
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings
@@ -181,6 +183,7 @@ def test_evicted_task_keys_are_rearmed_from_the_evicted_event(
     tmp_path: Path,
     start_listener: StartListener,
     verdict: Verdict,
+    log_lines: list[str],
 ) -> None:
     server = redis_factory(args=["--maxmemory", "2mb", "--maxmemory-policy", "volatile-lru"])
     # The overdue sweep and the canary (whose degraded mode also runs overdue rows) far beyond
@@ -211,3 +214,44 @@ def test_evicted_task_keys_are_rearmed_from_the_evicted_event(
         assert evicted > 0
         wait_until(lambda: running.listener.evicted > 0, 10, message="no task key was evicted")
         verdict.check(c, keys, timeout_s=20)
+    # The filler keys evicted alongside are the application's business: not one line on them.
+    assert not [line for line in log_lines if "filler:" in line or "ignored key" in line]
+
+
+class _FallsDueDuringClaim:
+    """A clock just before `due_ms` for the claim, just after it from then on."""
+
+    def __init__(self, due_ms: int) -> None:
+        self.due_ms = due_ms
+        self.calls = 0
+
+    def now_ms(self) -> int:
+        self.calls += 1
+        return self.due_ms - 1 if self.calls == 1 else self.due_ms + 1
+
+
+def test_a_task_key_lost_as_its_task_falls_due_during_the_claim_is_rearmed(
+    client: Client, settings: Settings
+) -> None:
+    """The eviction scenario's race, made deterministic: an evicted key is submitted, the claim
+    finds the task not yet due, and by the check after it the task is due. Its key is gone, so
+    unless it is set again nothing announces the task until the overdue sweep."""
+    key = client.create("Probe.record", "falls-due", ttl_s=60)
+    row = client.store.get(key)
+    assert row is not None
+    client.redis.delete(key)  # evicted
+    dispatcher = Dispatcher(
+        store=client.store,
+        redis_client=client.redis,
+        clock=_FallsDueDuringClaim(row.due_at_ms),
+        registry=default_registry,
+        settings=settings,
+        owner="test",
+    )
+    dispatcher.start()
+    try:
+        dispatcher.submit([key])
+        wait_until(lambda: int(client.redis.pttl(key)) > 0, 5, message="the key was not set again")
+    finally:
+        dispatcher.stop(5)
+    assert client.store.get(key).status is TaskStatus.PENDING  # type: ignore[union-attr]
