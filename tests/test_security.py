@@ -42,8 +42,9 @@ def log_lines() -> Iterator[list[str]]:
         logger.remove(sink)
 
 
-def acl_user(server: RedisServer, *rules: str) -> None:
-    """ACL user `ke` with PASSWORD on `server`; all keys, channels and commands by default."""
+def acl_user(server: RedisServer, *rules: str) -> str:
+    """ACL user `ke` with PASSWORD on `server` (all keys, channels and commands unless `rules`
+    say otherwise); return its plain-TCP URL."""
     admin = server.client()
     try:
         admin.execute_command(
@@ -51,6 +52,7 @@ def acl_user(server: RedisServer, *rules: str) -> None:
         )
     finally:
         admin.close()
+    return f"redis://ke:{PASSWORD}@{LOOPBACK}:{server.port}/0"
 
 
 def test_passwords_are_masked_in_userinfo_and_query() -> None:
@@ -70,8 +72,7 @@ def test_acl_user_without_channel_permission_fails_at_start_up(
     redis_factory: RedisFactory, sqlite_url: str, tmp_path: Path, log_lines: list[str]
 ) -> None:
     server = redis_factory()
-    acl_user(server, "~*", "resetchannels", "+@all")
-    url = f"redis://ke:{PASSWORD}@{LOOPBACK}:{server.port}/0"
+    url = acl_user(server, "~*", "resetchannels", "+@all")
     listener = Listener(make_settings(url, sqlite_url, tmp_path))
     raised: list[BaseException] = []
 
@@ -100,8 +101,7 @@ def test_wrong_password_is_one_clear_cli_error_without_the_password(
     redis_factory: RedisFactory, sqlite_url: str, tmp_path: Path
 ) -> None:
     server = redis_factory()
-    acl_user(server)
-    good = f"redis://ke:{PASSWORD}@{LOOPBACK}:{server.port}/0"
+    good = acl_user(server)
     with Client(make_settings(good, sqlite_url, tmp_path)) as c:
         c.create("Probe.record", "secret", ttl_s=600)
     env = {
@@ -127,8 +127,7 @@ def test_listener_with_a_wrong_password_keeps_retrying_and_logs_no_password(
     redis_factory: RedisFactory, sqlite_url: str, tmp_path: Path, log_lines: list[str]
 ) -> None:
     server = redis_factory()
-    acl_user(server)
-    url = f"redis://ke:{WRONG}@{LOOPBACK}:{server.port}/0"
+    url = acl_user(server).replace(PASSWORD, WRONG)
     listener = Listener(make_settings(url, sqlite_url, tmp_path))
     thread = threading.Thread(target=listener.run, daemon=True)
     thread.start()

@@ -22,11 +22,11 @@ from keyexpiry.store import TaskStatus
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings
 from tests.reliability import Verdict
-from tests.servers import RedisServer, wait_until
+from tests.servers import wait_until
+from tests.test_security import acl_user
 
 pytestmark = pytest.mark.faults
 StartListener = Callable[[Settings], Running]
-PASSWORD = "s3cret-Pw-4711"
 
 
 @pytest.fixture
@@ -36,19 +36,6 @@ def log_lines() -> Iterator[list[str]]:
     sink = logger.add(lines.append, level="DEBUG", format="{level} {message}", diagnose=False)
     yield lines
     logger.remove(sink)
-
-
-def acl_user(server: RedisServer, *rules: str, name: str = "ke") -> str:
-    """Create ACL user `name` on `server` (all keys, channels and commands unless `rules`
-    say otherwise); return its URL."""
-    admin = server.client()
-    try:
-        admin.execute_command(
-            "ACL", "SETUSER", name, "on", f">{PASSWORD}", *(rules or ("~*", "&*", "+@all"))
-        )
-    finally:
-        admin.close()
-    return f"redis://{name}:{PASSWORD}@127.0.0.1:{server.port}/0"
 
 
 def _all_done(c: Client, keys: list[str]) -> bool:
