@@ -68,6 +68,15 @@ def _errors(func: F) -> F:
         except KeyExpiryError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(code=1) from None
+        except Exception as exc:
+            import redis
+
+            from keyexpiry.connections import describe_redis_error
+
+            if not isinstance(exc, redis.RedisError):
+                raise
+            typer.echo(f"error: {describe_redis_error(exc)}", err=True)
+            raise typer.Exit(code=1) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -50,6 +50,20 @@ def redis_client(url: str, settings: Settings, *, pubsub: bool = False) -> redis
         raise RedisUnavailableError(f"bad Redis URL {mask_url(url)}: {exc}") from None
 
 
+def describe_redis_error(exc: redis.RedisError) -> str:
+    """One line saying what a Redis failure means for the user (never the password)."""
+    if isinstance(exc, redis.AuthenticationError):
+        return (
+            f"Redis refused the credentials ({exc}): check the user and password in the Redis "
+            "URL, and that the ACL user is enabled"
+        )
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return f"the Redis ACL user lacks a permission keyexpiry needs: {exc}"
+    if isinstance(exc, redis.ReadOnlyError):
+        return f"Redis refuses writes ({exc}): point keyexpiry at the master, not a replica"
+    return f"Redis is not reachable: {exc}"
+
+
 def redis_db(client: redis.Redis) -> int:
     """The database number the client uses (for the keyevent channel name)."""
     return int(client.connection_pool.connection_kwargs.get("db", 0) or 0)

@@ -293,15 +293,16 @@ class Dispatcher:
     def _check_unclaimed(self, keys: list[str]) -> None:
         """Explain keys that were not claimed, and re-arm a pending task whose key is gone."""
         rows = self.store.get_many(keys)
-        now_ms = self.clock.now_ms()
         rearm: list[TaskRow] = []
         for key in keys:
             row = rows.get(key)
             log = logger.bind(key=key, attempt=row.attempts if row else 0)
             if row is None:
                 log.info("no ledger row for this key; ignored")
-            elif row.status is TaskStatus.PENDING and row.due_at_ms > now_ms:
-                # A stale event (task rescheduled) or this host's clock a hair behind Redis's.
+            elif row.status is TaskStatus.PENDING:
+                # A stale event (task rescheduled), this host's clock a hair behind Redis's, or
+                # a row that fell due since the claim: if its key is gone, nothing else would
+                # announce it (a due time already past expires at once).
                 rearm.append(row)
             else:
                 log.debug("not claimed: task is {}", row.status)

@@ -49,13 +49,19 @@ def run_checks(client: redis.Redis, store: Store, *, fix: bool = False) -> list[
         elif policy == "noeviction":
             checks.append(Check("eviction", "ok", "maxmemory-policy=noeviction"))
         else:
+            flags = config_value(client, "notify-keyspace-events") or ""
+            recovery = (
+                "the listener re-arms them on the `evicted` event"
+                if "e" in flags or "A" in flags
+                else "without `e` in notify-keyspace-events (--fix adds it) reconciliation "
+                "recovers them, late"
+            )
             checks.append(
                 Check(
                     "eviction",
                     "warn",
                     f"maxmemory-policy={policy}: task keys may be evicted (announced as "
-                    "`evicted`, not `expired`); reconciliation recovers them, late. "
-                    "Prefer noeviction",
+                    f"`evicted`, not `expired`); {recovery}. Prefer noeviction",
                 )
             )
     try:

@@ -113,7 +113,9 @@ class ExpiryDriver:
                 timeout_s = self._step()
                 backoff_s = self.settings.reconnect_initial_s
             except (redis.RedisError, StoreError, OSError) as exc:
-                logger.warning("expiry driver: {}; retrying in {:.1f} s", exc, backoff_s)
+                # A replica refusing the lock's write is reported once, by the listener.
+                log = logger.debug if isinstance(exc, redis.ReadOnlyError) else logger.warning
+                log("expiry driver: {}; retrying in {:.1f} s", exc, backoff_s)
                 timeout_s = backoff_s
                 backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
             except Exception:

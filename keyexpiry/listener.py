@@ -20,16 +20,24 @@ from loguru import logger
 
 from keyexpiry.arming import parse_wake
 from keyexpiry.clock import RedisClock, monotonic_s
-from keyexpiry.connections import open_store, redis_client, redis_db, resolve_redis_url
+from keyexpiry.connections import (
+    describe_redis_error,
+    open_store,
+    redis_client,
+    redis_db,
+    resolve_redis_url,
+)
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
-from keyexpiry.errors import RedisConfigError, StoreError
+from keyexpiry.errors import KeyFormatError, RedisConfigError, StoreError
 from keyexpiry.keys import (
     canary_key,
+    evicted_channel,
     expired_channel,
     is_internal,
     is_ours,
     is_sentinel,
+    parse_key,
     sentinel_key,
     wake_channel,
 )
@@ -39,6 +47,16 @@ from keyexpiry.settings import Settings, mask_url
 from keyexpiry.store import Store
 
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+REPLICA_PROBLEM = (
+    "Redis is a replica: replicas never announce expired keys and refuse writes; point "
+    "keyexpiry at the master"
+)
+
+
+class _Rebuild(redis.ConnectionError):
+    """Raised by `step()` to make `_serve` drop the subscription and connect afresh."""
+
+
 _MAX_MESSAGES_PER_STEP = 5000
 
 
@@ -57,16 +75,15 @@ def config_value(client: redis.Redis, name: str) -> str | None:
 def check_notifications(client: redis.Redis, *, configure: bool) -> str | None:
     """Make sure Redis announces expired keys; return a warning if that cannot be verified.
 
+    With `configure`, turn on what is missing of `E`, `x` and `e` (evicted keys) by CONFIG SET.
+
     Raises RedisConfigError when notifications are off (and `configure` is false) or when the
     server is a replica (replicas announce `del`, not `expired`).
     """
     try:
         role = client.execute_command("ROLE")[0]  # type: ignore[no-untyped-call]
         if role in (b"slave", "slave", b"replica", "replica"):
-            raise RedisConfigError(
-                "Redis is a replica: replicas never announce expired keys; point keyexpiry at "
-                "the master"
-            )
+            raise RedisConfigError(REPLICA_PROBLEM)
     except redis.ResponseError:
         pass  # ROLE blocked by ACL: nothing to learn
     text = config_value(client, "notify-keyspace-events")
@@ -76,7 +93,10 @@ def check_notifications(client: redis.Redis, *, configure: bool) -> str | None:
             "notify-keyspace-events includes E and x (e.g. 'Ex'), set in its parameter group"
         )
     has_x = "x" in text or "A" in text
-    if "E" in text and has_x:
+    # `e` too: an evicted task key is then re-armed at once instead of at the overdue check.
+    has_e = "e" in text or "A" in text
+    announces_expired = "E" in text and has_x
+    if announces_expired and (has_e or not configure):
         return None
     if not configure:
         raise RedisConfigError(
@@ -84,10 +104,35 @@ def check_notifications(client: redis.Redis, *, configure: bool) -> str | None:
             "would never arrive. Run `keyexpiry doctor --fix`, pass --configure-redis, or set "
             "notify-keyspace-events Ex in redis.conf"
         )
-    wanted = text + ("" if "E" in text else "E") + ("" if has_x else "x")
+    wanted = text + ("" if "E" in text else "E") + ("" if has_x else "x") + ("" if has_e else "e")
     client.config_set("notify-keyspace-events", wanted)
     logger.warning("set notify-keyspace-events to {!r} (was {!r})", wanted, text)
     return None
+
+
+def subscribe_confirmed(pubsub: Any, channels: list[str], *, timeout_s: float = 10.0) -> None:
+    """Subscribe `pubsub` to `channels` and wait for Redis to confirm each one.
+
+    Raises RedisConfigError when the ACL user may not use the channels (NOPERM): retrying cannot
+    help, and the listener would otherwise loop on it.
+    """
+    try:
+        pubsub.subscribe(*channels)
+        confirmed = 0
+        deadline = monotonic_s() + timeout_s
+        while confirmed < len(channels):
+            if monotonic_s() > deadline:
+                raise redis.TimeoutError(f"no subscribe confirmation within {timeout_s:g} s")
+            msg = pubsub.get_message(timeout=0.5)
+            if msg is not None and msg.get("type") == "subscribe":
+                confirmed += 1
+    except redis.exceptions.NoPermissionError as exc:
+        user = pubsub.connection_pool.connection_kwargs.get("username") or "default"
+        grants = " ".join(f"&{c}" for c in channels)
+        raise RedisConfigError(
+            f"Redis ACL user {user!r} may not subscribe to {', '.join(channels)} ({exc}); grant "
+            f"the channels, e.g. `ACL SETUSER {user} {grants}` (or `&*`)"
+        ) from None
 
 
 class Listener:
@@ -113,6 +158,8 @@ class Listener:
         self._sub_client = redis_client(self.redis_url, settings, pubsub=True)
         self.db = redis_db(self.redis)
         self.channel = expired_channel(self.db)
+        self.evicted_channel = evicted_channel(self.db)
+        self._evicted_channel_bytes = self.evicted_channel.encode()
         self.clock = RedisClock(self.redis)
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.dispatcher = Dispatcher(
@@ -156,6 +203,10 @@ class Listener:
         self._canary_seen = threading.Event()
         self._canary_sent_s: float | None = None
         self.events_arriving = True
+        self.problem: str | None = None
+        """Why Redis cannot serve this listener right now (a replica, refused credentials)."""
+        self.evicted = 0
+        """Task keys Redis evicted (maxmemory) that were handed back to the ledger."""
         self.canaries_seen = 0
         self._reconnect_wanted = False
         self._last_lease_check_s = 0.0
@@ -205,6 +256,19 @@ class Listener:
         """Expired keys under our prefix that were not runnable tasks (logged once each)."""
         return self._undecodable + self.dispatcher.stats.ignored
 
+    def status(self) -> dict[str, object]:
+        """What the listener sees now: subscription, event flow, the current Redis problem."""
+        return {
+            "owner": self.owner,
+            "subscribed": self.subscribed.is_set(),
+            "events_arriving": self.events_arriving,
+            "problem": self.problem,
+            "events": self.events,
+            "gaps": self.gaps,
+            "evicted": self.evicted,
+            "done": self.dispatcher.stats.done,
+        }
+
     def stop(self) -> None:
         """Ask `run()` to finish (safe from any thread or a signal handler)."""
         self._stop.set()
@@ -224,7 +288,7 @@ class Listener:
         """Handle the events that arrive within `timeout_s`; return how many were read."""
         if self._reconnect_wanted:
             self._reconnect_wanted = False
-            raise redis.ConnectionError("rebuilding the subscription: no events arrive on it")
+            raise _Rebuild("rebuilding the subscription")
         if self._gap.is_set():
             self._gap.clear()
             self.gaps += 1
@@ -241,6 +305,8 @@ class Listener:
             if msg.get("type") == "message":
                 if msg["channel"] == self._wake_channel_bytes:
                     self.driver.note(parse_wake(msg["data"]))
+                elif msg["channel"] == self._evicted_channel_bytes:
+                    self.handle_evicted(msg["data"])
                 else:
                     self.handle_key(msg["data"])
             if count >= _MAX_MESSAGES_PER_STEP:
@@ -272,6 +338,32 @@ class Listener:
         # Parsed (and refused if malformed) once, by the claimer: not here as well.
         self.dispatcher.submit([key])
 
+    def handle_evicted(self, raw: bytes | str) -> None:
+        """A key Redis evicted under maxmemory: its `expired` event will never come, so hand a
+        task key to the claimer now: it runs it if due, else re-arms its missing key."""
+        try:
+            key = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError:
+            return
+        prefix = self.settings.key_prefix
+        if key == self._canary:
+            self._canary_seen.set()  # evicted before it expired: events do arrive
+            return
+        if not is_ours(key, prefix) or is_internal(key, prefix):
+            return  # another listener's canary, a sentinel: the self-checks notice those
+        try:
+            parse_key(key, prefix=prefix)
+        except KeyFormatError:
+            return  # the application's own keys are evicted too: not ours, not worth a line
+        self.evicted += 1
+        if self.evicted == 1:
+            logger.warning(
+                "Redis is evicting task keys (maxmemory): each is re-armed or run from the "
+                "ledger; set maxmemory-policy noeviction"
+            )
+        logger.bind(key=key, attempt=0).debug("task key evicted: handed to the claimer")
+        self.dispatcher.submit([key])
+
     # --- connection ---------------------------------------------------------------------------
     def _serve(self) -> None:
         backoff_s = self.settings.reconnect_initial_s
@@ -287,13 +379,25 @@ class Listener:
                 if self._stop.is_set():
                     break
                 self.gaps += 1
-                logger.error("Redis connection lost ({}); retrying in {:.1f} s", exc, backoff_s)
+                if isinstance(exc, _Rebuild):
+                    logger.info("rebuilding the subscription")
+                elif isinstance(exc, redis.AuthenticationError):
+                    # A disabled or deleted ACL user, a rotated password: an outage like any
+                    # other (it may be undone), so back off and retry, and say what it is.
+                    self.problem = describe_redis_error(exc)
+                    logger.error("{}; retrying in {:.1f} s", self.problem, backoff_s)
+                else:
+                    logger.error("Redis connection lost ({}); retrying in {:.1f} s", exc, backoff_s)
                 self._stop.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
-            except RedisConfigError:
+            except RedisConfigError as exc:
                 if not self._connected_once:
                     raise
-                logger.exception("Redis configuration problem; retrying")
+                # Logged once; retried quietly until fixed (e.g. a demoted master promoted back).
+                if self.problem != str(exc):
+                    self.problem = str(exc)
+                    logger.error("{}; retrying until it is fixed", exc)
+                self.events_arriving = False
                 self._pause(backoff_s)
                 backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
             except Exception:
@@ -313,24 +417,22 @@ class Listener:
             logger.warning(warning)
         policy = config_value(self.redis, "maxmemory-policy")
         if policy and policy != "noeviction":
+            flags = config_value(self.redis, "notify-keyspace-events") or ""
             logger.warning(
                 "maxmemory-policy is {}: Redis may evict task keys (announced as `evicted`, "
-                "never `expired`); the overdue check recovers them late. Prefer noeviction",
+                "never `expired`); {}. Prefer noeviction",
                 policy,
+                "they are re-armed when the `evicted` event arrives"
+                if "e" in flags or "A" in flags
+                else "without `e` in notify-keyspace-events the overdue check recovers them late",
             )
         self.clock.sync()
         pubsub = self._sub_client.pubsub()  # type: ignore[no-untyped-call]
         self._pubsub = pubsub
-        channels = [self.channel, self.wake_channel] if self.settings.driver else [self.channel]
-        pubsub.subscribe(*channels)
-        confirmed = 0
-        deadline = monotonic_s() + 10
-        while confirmed < len(channels):
-            if monotonic_s() > deadline:
-                raise redis.TimeoutError("no subscribe confirmation within 10 s")
-            msg = pubsub.get_message(timeout=0.5)
-            if msg is not None and msg.get("type") == "subscribe":
-                confirmed += 1
+        channels = [self.channel, self.evicted_channel]
+        if self.settings.driver:
+            channels.append(self.wake_channel)
+        subscribe_confirmed(pubsub, channels)
         # redis-py silently reconnects and re-subscribes a dropped pubsub connection; this
         # callback is how we learn of that gap.
         pubsub.connection.register_connect_callback(self._on_reconnect)
@@ -339,6 +441,10 @@ class Listener:
         reason = "reconnect" if self._connected_once else "start-up"
         self._connected_once = True
         logger.info("subscribed to {} ({})", self.channel, reason)
+        # A replica is over once events flow again (the canary): ROLE may be blocked by ACL.
+        if self.problem is not None and self.problem != REPLICA_PROBLEM:
+            logger.warning("Redis serves this listener again (was: {})", self.problem)
+            self.problem = None
         self.request_reconcile(reason)
 
     def _on_reconnect(self, _connection: object) -> None:
@@ -347,6 +453,10 @@ class Listener:
     def _close_pubsub(self) -> None:
         if self._pubsub is not None:
             try:
+                # The connection goes back to the pool with its callbacks: without this, the
+                # next subscription's first connect would be taken for a dropped connection.
+                if self._pubsub.connection is not None:
+                    self._pubsub.connection.deregister_connect_callback(self._on_reconnect)
                 self._pubsub.close()
             except Exception:
                 pass
@@ -393,8 +503,9 @@ class Listener:
         ):
             self._last_lease_check_s = now_s
             self.reconciler.requeue_expired_leases()
+            # Without events the ledger is the only path: run what is due now, not a grace later.
             self.reconciler.repair_stuck(
-                grace_ms=int(self.settings.stuck_after_s * 1000),
+                grace_ms=int(self.settings.stuck_after_s * 1000) if self.events_arriving else 0,
                 events_arriving=self.events_arriving,
             )
         if not self.subscribed.is_set():
@@ -403,6 +514,8 @@ class Listener:
             if self._canary_seen.is_set():
                 if not self.events_arriving:
                     logger.warning("expired events are arriving again")
+                    if self.problem == REPLICA_PROBLEM:
+                        self.problem = None
                 self.events_arriving = True
                 self._canary_sent_s = None
             elif now_s - self._canary_sent_s > 2.0:
@@ -432,6 +545,26 @@ class Listener:
                     logger.warning("sentinels vanished without firing: reconciling")
                     self.request_reconcile("sentinels missing")
 
+    def _read_only(self, exc: redis.ReadOnlyError) -> None:
+        """Redis refuses writes: a master demoted to replica (or a read-only replica from the
+        start). Replicas never announce `expired`, so switch to running due tasks from the
+        ledger, and reconnect: the connect checks the role until Redis is a master again."""
+        if self.problem != REPLICA_PROBLEM:
+            self.problem = REPLICA_PROBLEM
+            logger.error(
+                "{} ({} refused a write: {}); running due tasks from the ledger until it is a "
+                "master again",
+                REPLICA_PROBLEM,
+                mask_url(self.redis_url),
+                exc,
+            )
+        else:
+            logger.debug("Redis still refuses writes: {}", exc)
+        self.events_arriving = False
+        self._canary_sent_s = None
+        if self.subscribed.is_set():
+            self._reconnect_wanted = True
+
     def _reconcile_loop(self) -> None:
         backoff_s = self.settings.reconnect_initial_s
         self._last_lease_check_s = monotonic_s()
@@ -441,8 +574,13 @@ class Listener:
                 self._reconcile_idle.set()
                 try:
                     self._self_check(monotonic_s())
+                except redis.ReadOnlyError as exc:
+                    self._read_only(exc)
                 except Exception as exc:
-                    logger.warning("self-check failed: {}", exc)
+                    if self.subscribed.is_set():
+                        logger.warning("self-check failed: {}", exc)
+                    else:  # the subscriber's own line already says Redis is away
+                        logger.debug("self-check failed: {}", exc)
                 continue
             if self._stop.is_set():
                 break
@@ -455,6 +593,12 @@ class Listener:
                 report = self.reconciler.run()
                 self._regenerate_sentinels_if_needed()
                 backoff_s = self.settings.reconnect_initial_s
+            except redis.ReadOnlyError as exc:
+                # Overdue rows were handed to the claimer before the failing write; the
+                # reconnect once Redis is a master again reconciles (and re-arms) in full.
+                self._read_only(exc)
+                self._reconcile_idle.set()
+                continue
             except Exception as exc:
                 if isinstance(exc, StoreError | redis.RedisError | OSError):
                     logger.error("reconciliation failed ({}); retrying in {:.1f} s", exc, backoff_s)

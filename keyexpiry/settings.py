@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from keyexpiry.errors import ConfigError
 
@@ -19,17 +19,27 @@ DEFAULT_RETRY_SCHEDULE_S: tuple[float, ...] = (
 
 
 def mask_url(url: str | None) -> str:
-    """`url` with any password replaced by `***`, safe for logs and output."""
+    """`url` with any password replaced by `***`, safe for logs and output.
+
+    Both places a password can hide are masked: the user-info part and a `password=` query
+    argument (redis-py reads both, e.g. `unix:///run/redis.sock?password=...`). The rest of the
+    URL is kept as written.
+    """
     if not url:
         return "(embedded)"
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    masked = url
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        masked = masked.replace(f"//{parts.netloc}", f"//{user}:***@{host}", 1)
+    if parts.query:
+        query = "&".join(
+            f"{name}=***" if name.lower() == "password" else f"{name}{sep}{value}"
+            for name, sep, value in (item.partition("=") for item in parts.query.split("&"))
+        )
+        masked = masked.replace(f"?{parts.query}", f"?{query}", 1)
+    return masked
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
