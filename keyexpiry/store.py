@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -295,8 +296,20 @@ class Store:
     @_retried
     def create_schema(self) -> None:
         """Create the table and indexes if they do not exist."""
-        with self._schema_lock, self._tx() as conn:
-            metadata.create_all(conn, checkfirst=True)
+        for attempt in range(5):
+            try:
+                with self._schema_lock, self._tx() as conn:
+                    metadata.create_all(conn, checkfirst=True)
+                return
+            except StoreError as exc:
+                # Two processes starting on a new SQLite file race to create it (or to switch
+                # it to WAL): whoever lost finds the table there, or tries again.
+                racing = "already exists" in str(exc) or "database is locked" in str(exc)
+                if not racing or attempt == 4:
+                    raise
+                if "already exists" in str(exc) and self.table_exists():
+                    return
+                time.sleep(0.05 * (attempt + 1))
 
     @_retried
     def table_exists(self) -> bool:
