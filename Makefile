@@ -26,10 +26,10 @@ demo: $(STAMP)
 listen: $(STAMP)
 	$(BIN)/keyexpiry listen --tasks tasks.orders,tasks.auctions,tasks.refunds
 
-## servers: the real redis-server and MariaDB the tests start on loopback ports
+## servers: the real redis-server and MariaDB the tests start on loopback ports (and faketime)
 servers:
-	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null || { \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server mariadb-server; }
+	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null && command -v faketime >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server mariadb-server faketime; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check keyexpiry tasks tests bench

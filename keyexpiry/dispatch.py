@@ -257,9 +257,14 @@ class Dispatcher:
         timeout_s = max(self._timeout_s(s) for s in specs.values())
         lease_until_ms = now_ms + int((timeout_s + self.settings.lease_grace_s) * 1000)
         token = f"{self.owner}:{next(self._seq)}"
-        rows = self.store.claim(
-            list(specs), now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
-        )
+        try:
+            rows = self.store.claim(
+                list(specs), now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
+            )
+        except StoreError as exc:
+            if not exc.lock_timeout:
+                raise
+            rows = self._claim_around_locks(list(specs), exc, now_ms, lease_until_ms, token)
         self.stats.claimed += len(rows)
         with self._cond:
             self._inflight += len(rows)
@@ -271,6 +276,38 @@ class Dispatcher:
         if unclaimed:
             self.stats.not_claimed += len(unclaimed)
             self._check_unclaimed(unclaimed)
+
+    def _claim_around_locks(
+        self, keys: list[str], exc: StoreError, now_ms: int, lease_until_ms: int, token: str
+    ) -> list[TaskRow]:
+        """Another transaction held one of these rows past the lock wait timeout: claim the keys
+        one by one so only the locked rows are left behind, pending. Retrying those at once would
+        keep the claimer waiting on the lock; the overdue check offers them again later.
+        """
+        self.stats.store_errors += 1
+        if len(keys) == 1:
+            _log_locked(keys[0], exc)
+            return []
+        logger.warning(
+            "claiming {} task(s) waited too long on a row lock ({}); claiming them one by one",
+            len(keys),
+            exc,
+        )
+        rows: dict[int, TaskRow] = {}  # each claim returns every row held under the token
+        for i, key in enumerate(keys):
+            try:
+                claimed = self.store.claim(
+                    [key], now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
+                )
+                rows.update((r.id, r) for r in claimed)
+            except StoreError as err:
+                if not err.lock_timeout:
+                    # The rows claimed so far must still run; the rest waits in the backlog.
+                    logger.error("claiming {} task(s) failed: {}", len(keys) - i, err)
+                    self._backlog.extendleft(reversed(keys[i:]))
+                    break
+                _log_locked(key, err)
+        return list(rows.values())
 
     def _spec_for_key(self, key: str) -> TaskSpec | None:
         try:
@@ -574,3 +611,10 @@ class Dispatcher:
         thread = threading.Thread(target=target, name=f"keyexpiry-{name}", daemon=True)  # type: ignore[arg-type]
         thread.start()
         self._threads.append(thread)
+
+
+def _log_locked(key: str, exc: StoreError) -> None:
+    logger.bind(key=key, attempt=0).warning(
+        "row locked by another transaction ({}); left pending, the overdue check tries it again",
+        exc,
+    )

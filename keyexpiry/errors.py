@@ -34,6 +34,8 @@ class StoreError(KeyExpiryError):
 
     disconnected: bool = False
     """True when the connection was lost (the statement may be retried on a new one)."""
+    lock_timeout: bool = False
+    """True when a row lock held by another transaction outlasted the server's lock wait."""
 
 
 class RedisUnavailableError(KeyExpiryError):

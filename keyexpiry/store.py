@@ -253,6 +253,15 @@ def _upsert_statement(dialect: str) -> Any:
     return mins.on_duplicate_key_update({c: mins.inserted[c] for c in _RESET_ON_CREATE})
 
 
+_MYSQL_LOCK_WAIT_TIMEOUT = 1205  # ER_LOCK_WAIT_TIMEOUT: only the statement was rolled back
+
+
+def _error_code(exc: SQLAlchemyError) -> int | None:
+    """The MySQL/MariaDB error number behind `exc` (PyMySQL puts it first in `args`)."""
+    args = getattr(getattr(exc, "orig", None), "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
 def _retried(method: Callable[..., R]) -> Callable[..., R]:
     """Run a Store method once more when its connection turned out to be dead.
 
@@ -290,6 +299,7 @@ class Store:
             detail = str(getattr(exc, "orig", None) or exc).splitlines()[0][:300]
             error = StoreError(f"database {self._url}: {detail}")
             error.disconnected = bool(getattr(exc, "connection_invalidated", False))
+            error.lock_timeout = _error_code(exc) == _MYSQL_LOCK_WAIT_TIMEOUT
             raise error from exc
 
     # --- schema -------------------------------------------------------------------------------

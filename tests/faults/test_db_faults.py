@@ -1,0 +1,314 @@
+"""The ledger misbehaving under a listener: ambiguous commits, row locks, skewed clocks, kill -9."""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from loguru import logger
+
+from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.store import TaskStatus
+from tests import sample_tasks
+from tests.conftest import MariaDBFactory, _require
+from tests.faults.test_process_faults import ROOT, _env
+from tests.ke import Running, make_settings, wait_status
+from tests.proxy import Fault, MySQLProxy, updates_status
+from tests.reliability import Verdict
+from tests.servers import wait_until
+
+pytestmark = pytest.mark.faults
+StartListener = Callable[[Settings], Running]
+
+
+@pytest.fixture
+def ledger(redis_url: str, mysql_url: str, tmp_path: Path) -> Iterator[Client]:
+    """A client on the session Redis and a fresh MariaDB database (never SQLite)."""
+    sample_tasks.reset()
+    with Client(make_settings(redis_url, mysql_url, tmp_path)) as client:
+        yield client
+    sample_tasks.reset()
+
+
+# wolfcw/libfaketime#426: with the monotonic clock left real, libfaketime 0.9.10 breaks
+# clock_nanosleep(TIMER_ABSTIME), which time.sleep() uses since Python 3.11 (EINVAL); faking the
+# monotonic clock instead hangs timed waits on locks. Waits on an Event are unaffected, so the
+# skewed process sleeps on one (the only change to it besides the clock).
+_SLEEP_ON_EVENT = """
+import runpy, threading, time
+def _sleep(seconds):
+    threading.Event().wait(max(seconds, 0))
+time.sleep = _sleep
+runpy.run_module("keyexpiry", run_name="__main__", alter_sys=True)
+"""
+
+
+def keyexpiry_command(*args: str, skew: str | None = None) -> list[str]:
+    """`python -m keyexpiry ARGS`, under faketime with the wall clock moved by `skew` if given."""
+    if skew is None:
+        return [sys.executable, "-m", "keyexpiry", *args]
+    faketime = _require("faketime")
+    return [faketime, "-m", "-f", skew, sys.executable, "-c", _SLEEP_ON_EVENT, *args]
+
+
+def subprocess_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment of a keyexpiry subprocess on `settings`, plus `extra` variables."""
+    # Read by libfaketime only: fake the wall clock, never the monotonic one.
+    return {**_env(settings), "FAKETIME_DONT_FAKE_MONOTONIC": "1", **extra}
+
+
+class Spawned:
+    """Listener subprocesses (`python -m keyexpiry listen`), killed at teardown if still alive."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self._tmp = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def listen(
+        self, settings: Settings, *, skew: str | None = None, **env: str
+    ) -> tuple[subprocess.Popen[bytes], Path]:
+        """Start a listener (its clock skewed by `skew`) and wait until it has subscribed."""
+        log = self._tmp / f"listener-{len(self.procs)}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                keyexpiry_command("listen", skew=skew),
+                cwd=ROOT,
+                env=subprocess_env(settings, **env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.procs.append(proc)
+
+        def subscribed() -> bool:
+            assert proc.poll() is None, f"listener exited:\n{log.read_text()[-3000:]}"
+            return "subscribed to" in log.read_text()
+
+        wait_until(subscribed, 30, interval_s=0.05, message=f"listener never subscribed ({log})")
+        return proc, log
+
+    def stop_all(self) -> None:
+        """SIGTERM each listener still alive; SIGKILL it if it does not stop within 15 s."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawned]:
+    """Start listener subprocesses; they are stopped (or killed) at teardown."""
+    spawned = Spawned(tmp_path)
+    yield spawned
+    spawned.stop_all()
+
+
+@pytest.fixture
+def proxy(mysql_url: str) -> Iterator[MySQLProxy]:
+    """A proxy in front of `mysql_url`'s server; give listeners `proxy.url`."""
+    with MySQLProxy(mysql_url) as p:
+        yield p
+
+
+@pytest.mark.parametrize(
+    ("status", "fault", "times"),
+    [
+        pytest.param("running", "reply", 1, id="claim-reply lost"),
+        pytest.param("running", "reply", 2, id="claim-reply lost twice"),
+        pytest.param("running", "commit", 1, id="claim-commit lost"),
+        pytest.param("done", "reply", 1, id="record-reply lost"),
+        pytest.param("done", "reply", 2, id="record-reply lost twice"),
+        pytest.param("done", "commit", 1, id="record-commit lost"),
+        pytest.param("done", "commit", 2, id="record-commit lost twice"),
+    ],
+)
+def test_ambiguous_commit(
+    ledger: Client,
+    proxy: MySQLProxy,
+    redis_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+    status: str,
+    fault: Fault,
+    times: int,
+) -> None:
+    # The claim (status='running') or the record (status='done') transaction loses its
+    # connection at COMMIT: "reply" after the server committed, "commit" before it could.
+    proxy.break_commit(updates_status(status), fault=fault, times=times)
+    cfg = make_settings(redis_url, proxy.url, tmp_path, handler_timeout_s=1.0, lease_grace_s=0.5)
+    running = start_listener(cfg)
+    keys = ledger.create_many(
+        TaskRequest("Probe.record", (f"amb{i}",), ttl_ms=200 + 10 * i) for i in range(10)
+    )
+    wait_until(lambda: proxy.broken == times, 15, message="the COMMIT was never broken")
+    verdict.check(ledger, keys, timeout_s=20)
+    attempts = sorted(r.attempts for r in ledger.store.get_many(keys).values())
+    if status == "running" and times == 2:
+        # The claimer's own retry lost its answer too: the claim committed under a token no
+        # thread holds, and only the lease brought those rows back (claimed twice, run once).
+        assert attempts[-1] == 2, attempts
+    else:
+        # Recovered at once, not by the lease: a claim retried under its token finds the rows
+        # its lost COMMIT took; a record retried finds them done and runs nothing again.
+        assert attempts == [1] * len(keys), attempts
+    running.stop()
+
+
+@pytest.fixture
+def warnings_logged() -> Iterator[list[str]]:
+    """The listener's log lines of level WARNING and up, while the test runs."""
+    lines: list[str] = []
+    handler = logger.add(lambda m: lines.append(str(m)), level="WARNING", format="{message}")
+    yield lines
+    logger.remove(handler)
+
+
+def test_row_locked_past_the_lock_wait_timeout(
+    mariadb_factory: MariaDBFactory,
+    redis_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    warnings_logged: list[str],
+    verdict: Verdict,
+) -> None:
+    server = mariadb_factory(args=["--innodb-lock-wait-timeout=1"])
+    cfg = make_settings(redis_url, server.create_database("locks"), tmp_path)
+    sample_tasks.reset()
+    with Client(cfg) as c:
+        start_listener(cfg)
+        # All due at the same millisecond: they expire together and are claimed in a batch.
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"lock{i}",), ttl_ms=800) for i in range(6)
+        )
+        locked, others = keys[0], keys[1:]
+        # Another session (an operator, a report, business code) holds the row past the
+        # server's 1 s lock wait timeout, through more than one claim of it.
+        locker = server.admin_connection(database="locks", autocommit=False)
+        try:
+            with locker.cursor() as cur:
+                cur.execute(
+                    "SELECT id FROM time_limit_task WHERE task_key = %s FOR UPDATE", (locked,)
+                )
+            wait_until(
+                lambda: all(r.status is TaskStatus.DONE for r in c.store.get_many(others).values()),
+                15,
+                message="the rest of the batch waited for the locked row",
+            )
+            assert any("Lock wait timeout" in line for line in warnings_logged), warnings_logged
+            # The overdue check offers the locked task again, and again it is left pending.
+            wait_until(
+                lambda: sum("row locked by another" in line for line in warnings_logged) >= 2,
+                10,
+                message=f"the locked task was not tried again: {warnings_logged}",
+            )
+            row = c.store.get(locked)
+            assert row is not None and row.status is TaskStatus.PENDING
+            assert sample_tasks.CALLS[locked] == 0
+        finally:
+            locker.rollback()
+            locker.close()
+        verdict.check(c, keys, since_ms=c.clock.now_ms())
+
+
+@pytest.mark.parametrize("skew", ["+10m", "-10m"])
+def test_application_clock_skewed(
+    ledger: Client,
+    redis_url: str,
+    mysql_url: str,
+    tmp_path: Path,
+    spawn: Spawned,
+    verdict: Verdict,
+    skew: str,
+) -> None:
+    # The listener and one `create` run with their wall clock `skew` away from Redis's and the
+    # database's; keyexpiry's clock is Redis TIME, so nothing may change.
+    cfg = make_settings(redis_url, mysql_url, tmp_path)
+    _, log = spawn.listen(cfg, skew=skew)
+    assert wall_clock_offset_ms(log, ledger) > 9 * 60 * 1000, "faketime did not skew it"
+    keys = ledger.create_many(
+        TaskRequest("Probe.record", (f"skew{i}",), ttl_ms=300 + 100 * i) for i in range(5)
+    )
+    before_ms = ledger.clock.now_ms()
+    out = subprocess.run(
+        keyexpiry_command("create", "Probe", "record", "cli", "--ttl-ms", "800", skew=skew),
+        cwd=ROOT,
+        env=subprocess_env(cfg),
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+    after_ms = ledger.clock.now_ms()
+    cli_key = out.stdout.decode().strip()
+    row = ledger.store.get(cli_key)
+    assert row is not None and before_ms + 800 <= row.due_at_ms <= after_ms + 800, row
+    keys.append(cli_key)
+    wait_until(
+        lambda: all(r.status is TaskStatus.DONE for r in ledger.store.get_many(keys).values()),
+        15,
+        message=f"the skewed listener did not run them; its log:\n{log.read_text()[-3000:]}",
+    )
+    rows = ledger.store.get_many(keys)
+    now_ms = ledger.clock.now_ms()
+    for r in rows.values():
+        assert r.started_at_ms is not None and r.finished_at_ms is not None
+        # Started on time and finished by now, by Redis's clock: the listener's clock is not
+        # off by anything like the skew (a few ms of sync error on a loaded machine are fine).
+        assert 0 <= r.started_at_ms - r.due_at_ms < 2000, r
+        assert r.finished_at_ms < now_ms + 1000, r
+    verdict.check(ledger, keys, calls={k: r.attempts for k, r in rows.items()})
+
+
+def wall_clock_offset_ms(log: Path, ledger: Client) -> int:
+    """How far the wall clock stamping the log's first line is from Redis's clock, in ms."""
+    stamp = log.read_text().splitlines()[0][:23]
+    local = dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").astimezone()
+    return abs(int(local.timestamp() * 1000) - ledger.clock.now_ms())
+
+
+def test_listener_killed_between_claim_and_handler_start(
+    ledger: Client,
+    proxy: MySQLProxy,
+    redis_url: str,
+    mysql_url: str,
+    tmp_path: Path,
+    spawn: Spawned,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    waiting = ledger.key_for("Probe.record", "claimed")
+    # The first listener's claim of `waiting` commits, and its answer never arrives: the row is
+    # running under that listener while no handler of it has started (or can: `claim` has not
+    # returned).
+    proxy.break_commit(updates_status("running", mentioning=waiting), fault="hold")
+    first = make_settings(redis_url, proxy.url, tmp_path)
+    proc, log = spawn.listen(first, KEYEXPIRY_CONCURRENCY="1", KEYEXPIRY_HANDLER_TIMEOUT_S="2")
+    # Its only worker is taken by a handler that hangs (past its 0.3 s timeout, so the slot is
+    # given back while the thread still hangs); `waiting` is due meanwhile and is claimed next.
+    hung = ledger.create("Probe.hang_first", "hung", ttl_ms=100)
+    wait_status(ledger, hung, TaskStatus.RUNNING, timeout_s=20)
+    assert ledger.create("Probe.record", "claimed", ttl_ms=100) == waiting
+    wait_until(lambda: proxy.broken == 1, 20, message=f"never claimed:\n{log.read_text()}")
+    wait_status(ledger, waiting, TaskStatus.RUNNING, timeout_s=5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    start_listener(make_settings(redis_url, mysql_url, tmp_path))
+    base = verdict.scenario
+    # Claimed but never started: run by the second listener only, once, after the lease.
+    verdict.scenario = f"{base} [claimed, not started]"
+    # The first listener never ran it, so this process's handler count is the whole count.
+    verdict.check(ledger, [waiting])
+    row = ledger.store.get(waiting)
+    assert row is not None and row.attempts == 2 and sample_tasks.CALLS[waiting] == 1
+    # The hung handler had started: the crash window of docs/GUARANTEES.md, at least once.
+    verdict.scenario = f"{base} [handler hung]"
+    done = wait_status(ledger, hung, TaskStatus.DONE, timeout_s=20)
+    verdict.check(ledger, [hung], at_least_once=True, calls={hung: done.attempts})

@@ -1,0 +1,219 @@
+"""A TCP proxy between a MySQL client and mariadbd that can lose what a COMMIT says back.
+
+PyMySQL's `commit()` is one COM_QUERY packet with the text `COMMIT` followed by a wait for the
+server's OK. The proxy reads the client's packets, remembers the statements of the transaction
+in progress on each connection, and when a COMMIT ends a transaction that a rule matches it can:
+
+- `"reply"`: forward the COMMIT, drop the server's answer and close both sides: the transaction
+  committed, the client only sees a lost connection (the ambiguous commit);
+- `"commit"`: close both sides without forwarding the COMMIT: the server rolls back, the client
+  sees the same lost connection;
+- `"hold"`: forward the COMMIT, drop the answer and keep both sides open: the client waits for
+  ever with its transaction committed (a process frozen right after its claim committed).
+
+Threads and blocking sockets, so a test needs nothing but `with MySQLProxy(url) as proxy`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Self
+
+from sqlalchemy.engine import make_url
+
+from tests.servers import LOOPBACK
+
+_COM_QUERY = 0x03
+_HEADER = 4  # 3-byte little-endian payload length, 1-byte sequence number
+Fault = Literal["reply", "commit", "hold"]
+TxRule = Callable[[Sequence[bytes]], bool]
+"""Decides from a transaction's statement texts whether its COMMIT is the one to break."""
+
+
+@dataclass
+class _Rule:
+    when: TxRule
+    times: int
+    fault: Fault
+
+
+@dataclass(eq=False)
+class _Pair:
+    client: socket.socket
+    server: socket.socket
+    tx: list[bytes] = field(default_factory=list)
+    swallow: Fault | None = None  # set when the server's next answer must be dropped
+    closed: bool = False
+
+
+class MySQLProxy:
+    """Forwards a loopback port to the MariaDB of `url`; `url` (the property) goes through it."""
+
+    def __init__(self, upstream_url: str) -> None:
+        self._target = make_url(upstream_url)
+        self._upstream = (self._target.host or LOOPBACK, int(self._target.port or 3306))
+        self._listen = socket.create_server((LOOPBACK, 0))
+        self.port: int = self._listen.getsockname()[1]
+        self._lock = threading.Lock()
+        self._pairs: list[_Pair] = []
+        self._rules: list[_Rule] = []
+        self.broken = 0
+        """How many COMMITs a rule has broken so far."""
+        self.broken_event = threading.Event()
+        self.commits_seen: list[Sequence[bytes]] = []
+        """Every transaction that ended with COMMIT, as its statements (for diagnosis)."""
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="proxy")
+
+    @property
+    def url(self) -> str:
+        """`upstream_url` with the proxy's port."""
+        return self._target.set(host=LOOPBACK, port=self.port).render_as_string(hide_password=False)
+
+    def break_commit(self, when: TxRule, *, fault: Fault = "reply", times: int = 1) -> None:
+        """Break the next `times` COMMITs of transactions for which `when(statements)` is true."""
+        with self._lock:
+            self._rules.append(_Rule(when, times, fault))
+
+    def start(self) -> Self:
+        """Accept connections on a background thread."""
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop accepting and cut every connection."""
+        try:
+            self._listen.close()
+        finally:
+            with self._lock:
+                pairs = list(self._pairs)
+            for pair in pairs:
+                self._cut(pair)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals -------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                client, _ = self._listen.accept()
+            except OSError:
+                return  # closed
+            try:
+                server = socket.create_connection(self._upstream, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            pair = _Pair(client, server)
+            with self._lock:
+                self._pairs.append(pair)
+            for target in (self._client_to_server, self._server_to_client):
+                threading.Thread(target=target, args=(pair,), daemon=True, name="proxy").start()
+
+    def _client_to_server(self, pair: _Pair) -> None:
+        buf = b""
+        while True:
+            try:
+                data = pair.client.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                self._cut(pair)
+                return
+            buf += data
+            while len(buf) >= _HEADER:
+                size = int.from_bytes(buf[:3], "little")
+                if len(buf) < _HEADER + size:
+                    break
+                packet, buf = buf[: _HEADER + size], buf[_HEADER + size :]
+                fault = self._inspect(pair, packet[_HEADER:])
+                if fault == "commit":
+                    self._cut(pair)
+                    return
+                if fault is not None:
+                    pair.swallow = fault  # before sending: the answer may come back at once
+                try:
+                    pair.server.sendall(packet)
+                except OSError:
+                    self._cut(pair)
+                    return
+
+    def _inspect(self, pair: _Pair, payload: bytes) -> Fault | None:
+        if not payload or payload[0] != _COM_QUERY:
+            return None
+        text = payload[1:]
+        word = text.strip().upper()
+        if word == b"ROLLBACK":
+            pair.tx.clear()
+            return None
+        if word != b"COMMIT":
+            pair.tx.append(text)
+            return None
+        statements, pair.tx = pair.tx, []
+        with self._lock:
+            self.commits_seen.append(statements)
+            for rule in self._rules:
+                if rule.times > 0 and rule.when(statements):
+                    rule.times -= 1
+                    self.broken += 1
+                    self.broken_event.set()
+                    return rule.fault
+        return None
+
+    def _server_to_client(self, pair: _Pair) -> None:
+        while True:
+            try:
+                data = pair.server.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                self._cut(pair)
+                return
+            fault = pair.swallow
+            if fault == "hold":
+                continue  # the answer is dropped; the client waits on an open socket
+            if fault == "reply":
+                self._cut(pair)
+                return
+            try:
+                pair.client.sendall(data)
+            except OSError:
+                self._cut(pair)
+                return
+
+    def _cut(self, pair: _Pair) -> None:
+        with self._lock:
+            if pair.closed:
+                return
+            pair.closed = True
+            if pair in self._pairs:
+                self._pairs.remove(pair)
+        for sock in (pair.client, pair.server):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+def updates_status(status: str, *, mentioning: str | None = None) -> TxRule:
+    """A rule matching transactions with an UPDATE of the ledger that sets `status`
+    (PyMySQL interpolates parameters, so the text holds `status='running'`), and that mention
+    `mentioning` (a task key) when given."""
+    needle = f"status='{status}'".encode()
+    key = mentioning.encode() if mentioning is not None else None
+
+    def match(statements: Sequence[bytes]) -> bool:
+        return any(
+            s.lstrip().upper().startswith(b"UPDATE") and needle in s and (key is None or key in s)
+            for s in statements
+        )
+
+    return match
