@@ -98,7 +98,9 @@ class Client:
     ) -> str:
         """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
 
-        Creating a task whose key exists reschedules it (one row, one key). Returns the key.
+        Creating a task whose key exists reschedules it (one row, one key): whatever its state,
+        exactly one run happens at or after the new due time. A run already claimed for the old
+        due time (running, or claimed just before this) still happens, unrecorded. Returns the key.
         """
         return self.create_many([TaskRequest(target, args, ttl_s, ttl_ms, at, retry_schedule_s)])[0]
 
