@@ -285,17 +285,6 @@ def test_bad_input_is_refused_at_create_with_one_short_line_and_writes_nothing(
     assert client.store.counts() == {} and client.redis.dbsize() == 0
 
 
-@pytest.fixture
-def cli_env(redis_url: str, sqlite_url: str, tmp_path: Path) -> dict[str, str]:
-    return {
-        "KEYEXPIRY_REDIS_URL": redis_url,
-        "KEYEXPIRY_DATABASE_URL": sqlite_url,
-        "KEYEXPIRY_STATE_DIR": str(tmp_path / "state"),
-        "KEYEXPIRY_TASKS": "tests.sample_tasks",
-        "KEYEXPIRY_SENTINEL_COUNT": "0",
-    }
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
