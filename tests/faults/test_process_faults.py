@@ -154,11 +154,11 @@ def _race(
     """Create RACE_TASKS tasks due in 20-40 ms and `act(arg, rng)` on each within a few ms of
     the instant its claim happens, on the Redis clock; RACE_THREADS tasks in flight at once.
 
-    The claim comes a few ms after the due time, how many depends on the machine and its load;
-    acting at due +/- 3 ms would mostly act first and nothing would race. So each thread aims at
-    due + a centre + a random -3..+3 ms, and moves its centre 1 ms later after its previous task
-    was won by the action (`won`), 1 ms earlier after it was lost: the centre settles where
-    either may win.
+    The claim comes a few ms after the due time, how many depends on the machine and its load
+    (tens of ms under a full test run on two cores); acting at due +/- 3 ms would mostly act
+    first and nothing would race. So each thread aims at due + a centre + a random -3..+3 ms, and
+    moves its centre later after its previous task was won by the action (`won`), earlier after
+    it was lost, by a quarter of itself (at least 1 ms): the centre settles where either may win.
     """
 
     def worker(n: int) -> list[Raced]:
@@ -167,7 +167,8 @@ def _race(
         centre_ms = 0
         for i in range(RACE_TASKS // RACE_THREADS):
             if out:
-                centre_ms = max(-3, min(centre_ms + (1 if won(out[-1]) else -1), 50))
+                step = max(1, abs(centre_ms) // 4)
+                centre_ms = max(-3, min(centre_ms + (step if won(out[-1]) else -step), 200))
             arg = f"{name}{n}-{i}"
             due = client.clock.now_ms() + rng.randint(20, 40)
             key = client.create("Probe.record", arg, at=_utc(due))
