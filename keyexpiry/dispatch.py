@@ -25,7 +25,7 @@ from keyexpiry.arming import arm_keys
 from keyexpiry.clock import Clock, monotonic_s
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import DoNotRetry, KeyExpiryError, Retry, StoreError, UnknownTaskError
-from keyexpiry.keys import parse_key
+from keyexpiry.keys import excerpt, parse_key
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.settings import Settings
 from keyexpiry.store import Outcome, Store, TaskRow, TaskStatus
@@ -315,16 +315,16 @@ class Dispatcher:
             return self.registry.resolve(parsed.class_name, parsed.method)
         except UnknownTaskError as exc:
             self.stats.ignored += 1
-            label = key.split("@", 2)[0] + "@" + key.split("@", 2)[1] if "@" in key else key
-            if label not in self._warned_unknown:
-                self._warned_unknown.add(label)
+            # Once per unknown class (or method): not once per key of another app's `user@bob`.
+            if str(exc) not in self._warned_unknown:
+                self._warned_unknown.add(str(exc))
                 logger.bind(key=key, attempt=0).warning(
                     "{}; left pending for a listener that has it", exc
                 )
             return None
         except KeyExpiryError as exc:
             self.stats.ignored += 1
-            logger.bind(key=key[:200], attempt=0).warning("ignored key: {}", exc)
+            logger.bind(key=excerpt(key), attempt=0).warning("ignored key: {}", exc)
             return None
 
     def _check_unclaimed(self, keys: list[str]) -> None:

@@ -41,18 +41,46 @@ class TaskKey:
         return format_key(self.class_name, self.method, self.args, prefix=prefix)
 
 
+def clip(text: str, limit: int = 80) -> str:
+    """`repr(text)`, cut to about `limit` characters: error messages quote what they refuse,
+    and what they refuse may be megabytes long."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """`text` cut to about `limit` characters, noting its full length when cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def excerpt(key: bytes | str, limit: int = 80) -> str:
+    """A key fit for one log line, whatever it holds: at most `limit` characters of it, every
+    non-ASCII or control character escaped (a key may hold newlines or terminal escapes), and
+    its full size when it was cut."""
+    shown = ascii(key[:limit])
+    return shown if len(key) <= limit else f"{shown}... ({len(key)} bytes)"
+
+
 def check_name(name: str, what: str) -> str:
     """Return `name` if it is a plain public identifier (no leading `_`, no dots), else raise."""
     if not _NAME.match(name):
         raise KeyFormatError(
-            f"{what} {name!r} is not allowed: use letters, digits and _ , starting with a letter"
+            f"{what} {clip(name)} is not allowed: use letters, digits and _ , starting with a "
+            "letter"
         )
     return name
 
 
 def escape_arg(arg: str) -> str:
     """Percent-escape one argument for use inside a key."""
-    return quote(arg, safe=_SAFE, encoding="utf-8", errors="strict")
+    try:
+        return quote(arg, safe=_SAFE, encoding="utf-8", errors="strict")
+    except UnicodeEncodeError:
+        # Lone surrogates: what Python makes of command-line bytes that are not UTF-8.
+        raise KeyFormatError(
+            f"argument {clip(arg)} is not valid text (not encodable as UTF-8)"
+        ) from None
 
 
 def unescape_arg(segment: str) -> str:
@@ -101,19 +129,21 @@ def parse_key(key: str, *, prefix: str = "") -> TaskKey:
     return parsed
 
 
-def is_ours(key: str, prefix: str) -> bool:
-    """Cheap test used on every event: could this key be a task key or sentinel of ours?"""
-    return key.startswith(prefix)
+_CLASS_HEAD = re.compile(rb"([A-Za-z][A-Za-z0-9_]*)@")
+
+
+def task_class_of(raw: bytes, prefix: bytes = b"") -> str | None:
+    """The class name `raw` would name as a task key (`{prefix}Class@...`), or None when it is
+    not shaped like one; reads at most MAX_KEY_BYTES of it, however long it is."""
+    if not raw.startswith(prefix):
+        return None
+    match = _CLASS_HEAD.match(raw[len(prefix) : len(prefix) + MAX_KEY_BYTES])
+    return match.group(1).decode("ascii") if match else None
 
 
 def sentinel_key(index: int, prefix: str = "") -> str:
     """Name of loss-control sentinel number `index` (1-based)."""
     return f"{prefix}{SENTINEL_MARK}{index}"
-
-
-def is_internal(key: str, prefix: str = "") -> bool:
-    """Whether `key` is one of keyexpiry's own (sentinel, canary, driver lock), not a task."""
-    return key.startswith(prefix + INTERNAL_MARK)
 
 
 def is_sentinel(key: str, prefix: str = "") -> bool:

@@ -1,8 +1,9 @@
 """The long-running subscriber: expired events in, dispatched tasks out, forever.
 
 The loop is trivial and the work is in `step()`, so tests can drive one step at a time. Anything a
-Redis key says is checked before it reaches the dispatcher: bytes are decoded per message, keys not
-under our prefix are ignored, malformed keys are logged once and dropped.
+Redis key says is checked before it reaches the dispatcher: other applications' keys are dropped
+without a word, a key that claims to be a task but cannot be one is logged once (as a short
+excerpt) and dropped, and an oversized key is never decoded or queued.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
 from keyexpiry.errors import KeyFormatError, RedisConfigError, StoreError
 from keyexpiry.keys import (
+    INTERNAL_MARK,
+    MAX_KEY_BYTES,
+    SENTINEL_MARK,
     canary_key,
     evicted_channel,
+    excerpt,
     expired_channel,
-    is_internal,
-    is_ours,
-    is_sentinel,
     parse_key,
     sentinel_key,
+    task_class_of,
     wake_channel,
 )
 from keyexpiry.reconcile import Reconciler
@@ -135,6 +138,14 @@ def subscribe_confirmed(pubsub: Any, channels: list[str], *, timeout_s: float = 
         ) from None
 
 
+def _well_formed(key: str) -> bool:
+    try:
+        parse_key(key)
+    except KeyFormatError:
+        return False
+    return True
+
+
 class Listener:
     """Subscribes to expired events and runs the tasks they name, once per claim.
 
@@ -191,7 +202,12 @@ class Listener:
         self.reconciles_done = 0
         self.gaps = 0
         self.events = 0
-        self._undecodable = 0
+        self._refused = 0
+        self.foreign = 0
+        """Expired keys of other applications, dropped without a word."""
+        self._prefix_bytes = settings.key_prefix.encode()
+        self._internal_bytes = (settings.key_prefix + INTERNAL_MARK).encode()
+        self._sentinel_bytes = (settings.key_prefix + SENTINEL_MARK).encode()
         self._stop = threading.Event()
         self._gap = threading.Event()
         self._reconcile_wanted = threading.Event()
@@ -200,6 +216,7 @@ class Listener:
         self._connected_once = False
         self._schema_ready = False
         self._canary = canary_key(self.owner, settings.key_prefix)
+        self._canary_bytes = self._canary.encode()
         self._canary_seen = threading.Event()
         self._canary_sent_s: float | None = None
         self.events_arriving = True
@@ -253,8 +270,8 @@ class Listener:
 
     @property
     def ignored(self) -> int:
-        """Expired keys under our prefix that were not runnable tasks (logged once each)."""
-        return self._undecodable + self.dispatcher.stats.ignored
+        """Expired keys that claimed to be tasks but were not runnable ones (logged once each)."""
+        return self._refused + self.dispatcher.stats.ignored
 
     def status(self) -> dict[str, object]:
         """What the listener sees now: subscription, event flow, the current Redis problem."""
@@ -315,45 +332,55 @@ class Listener:
         return count
 
     def handle_key(self, raw: bytes | str) -> None:
-        """Route one expired key: sentinel → reconcile; task key → dispatcher; else ignore."""
+        """Route one expired key: sentinel → reconcile; task key → dispatcher; else ignore.
+
+        Keys of other applications sharing the database are dropped silently (counted in
+        `foreign`): those outside the prefix and, with no prefix, those not shaped like
+        `Class@...` for a registered class (an unregistered class's well-formed key may be a
+        task for another listener: the claimer logs it once). A key that claims to be ours but
+        cannot be a task key is logged once, as a short excerpt; one over the key limit is never
+        decoded or queued.
+        """
         self.events += 1
+        data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
+        prefix = self._prefix_bytes
+        if not data.startswith(prefix):
+            self.foreign += 1
+            return
+        if data.startswith(self._internal_bytes):
+            self._handle_internal(data)
+            return
+        class_name = task_class_of(data, prefix)
+        ours = bool(prefix) or (class_name is not None and self.registry.has_class(class_name))
+        if len(data) > MAX_KEY_BYTES:
+            self._refuse(data, f"longer than the {MAX_KEY_BYTES}-byte key limit", ours=ours)
+            return
         try:
-            key = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+            key = data.decode("utf-8")
         except UnicodeDecodeError:
-            self._undecodable += 1
-            logger.bind(key=repr(raw[:80]), attempt=0).warning("ignored key: not valid UTF-8")
+            self._refuse(data, "not valid UTF-8", ours=ours)
             return
-        prefix = self.settings.key_prefix
-        if not is_ours(key, prefix):
+        if not ours and not _well_formed(key):
+            self.foreign += 1
             return
-        if key == self._canary:
-            self.canaries_seen += 1
-            self._canary_seen.set()
-            return
-        if is_internal(key, prefix):
-            if is_sentinel(key, prefix):
-                logger.info("sentinel {} fired: reconciling", key)
-                self.request_reconcile("sentinel")
-            return  # another listener's canary, an expired driver lock: ours, not a task
         # Parsed (and refused if malformed) once, by the claimer: not here as well.
         self.dispatcher.submit([key])
 
     def handle_evicted(self, raw: bytes | str) -> None:
         """A key Redis evicted under maxmemory: its `expired` event will never come, so hand a
         task key to the claimer now: it runs it if due, else re-arms its missing key."""
-        try:
-            key = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        except UnicodeDecodeError:
-            return
-        prefix = self.settings.key_prefix
-        if key == self._canary:
+        data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
+        if len(data) > MAX_KEY_BYTES or not data.startswith(self._prefix_bytes):
+            return  # not ours (and never decode a huge foreign key)
+        if data == self._canary_bytes:
             self._canary_seen.set()  # evicted before it expired: events do arrive
             return
-        if not is_ours(key, prefix) or is_internal(key, prefix):
+        if data.startswith(self._internal_bytes):
             return  # another listener's canary, a sentinel: the self-checks notice those
         try:
-            parse_key(key, prefix=prefix)
-        except KeyFormatError:
+            key = data.decode("utf-8")
+            parse_key(key, prefix=self.settings.key_prefix)
+        except (UnicodeDecodeError, KeyFormatError):
             return  # the application's own keys are evicted too: not ours, not worth a line
         self.evicted += 1
         if self.evicted == 1:
@@ -363,6 +390,22 @@ class Listener:
             )
         logger.bind(key=key, attempt=0).debug("task key evicted: handed to the claimer")
         self.dispatcher.submit([key])
+
+    def _handle_internal(self, data: bytes) -> None:
+        if data == self._canary_bytes:
+            self.canaries_seen += 1
+            self._canary_seen.set()
+        elif data.startswith(self._sentinel_bytes):
+            logger.info("sentinel {} fired: reconciling", excerpt(data))
+            self.request_reconcile("sentinel")
+        # Else another listener's canary, an expired driver lock: ours, not a task.
+
+    def _refuse(self, data: bytes, reason: str, *, ours: bool) -> None:
+        if not ours:
+            self.foreign += 1
+            return
+        self._refused += 1
+        logger.bind(key=excerpt(data), attempt=0).warning("ignored key: {}", reason)
 
     # --- connection ---------------------------------------------------------------------------
     def _serve(self) -> None:

@@ -18,7 +18,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar, overload
 
 from keyexpiry.errors import ArgumentError, ConfigError, UnknownTaskError
-from keyexpiry.keys import check_name
+from keyexpiry.keys import check_name, clip, shorten
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -139,7 +139,7 @@ class TaskSpec:
             elif not conv.accepts(value):
                 raise ArgumentError(
                     f"{self.label}: argument {param.name!r} must be {conv.type_name}, "
-                    f"got {type(value).__name__} {value!r}"
+                    f"got {type(value).__name__} {shorten(repr(value), 80)}"
                 )
             out.append(conv.encode(value))
         return tuple(out)
@@ -172,8 +172,10 @@ class TaskSpec:
         try:
             return param.converter.parse(text)
         except (ValueError, TypeError) as exc:
+            # The parsers quote the text they refuse, which may be megabytes long.
             raise ArgumentError(
-                f"{self.label}: argument {param.name!r} must be {param.converter.type_name}: {exc}"
+                f"{self.label}: argument {param.name!r} must be {param.converter.type_name}: "
+                f"{shorten(str(exc))}"
             ) from None
 
 
@@ -228,11 +230,17 @@ class Registry:
         spec = self._specs.get((class_name, method))
         if spec is None:
             if class_name in self._classes:
-                raise UnknownTaskError(f"{class_name}.{method} is not an exposed task method")
+                raise UnknownTaskError(
+                    f"{class_name}.{shorten(method)} is not an exposed task method"
+                )
             raise UnknownTaskError(
-                f"task class {class_name!r} is not registered (import its module with --tasks)"
+                f"task class {clip(class_name)} is not registered (import its module with --tasks)"
             )
         return spec
+
+    def has_class(self, class_name: str) -> bool:
+        """Whether a task class is registered under `class_name`."""
+        return class_name in self._classes
 
     def specs(self) -> list[TaskSpec]:
         """Every registered (class, method), sorted by name."""

@@ -13,7 +13,7 @@ from keyexpiry.arming import arm_keys
 from keyexpiry.clock import RedisClock
 from keyexpiry.connections import open_store, redis_client, resolve_redis_url
 from keyexpiry.errors import ArgumentError, RedisUnavailableError, UnknownTaskError
-from keyexpiry.keys import format_key
+from keyexpiry.keys import clip, format_key
 from keyexpiry.registry import Registry, TaskSpec, default_registry
 from keyexpiry.settings import Settings
 from keyexpiry.store import NewTask, Store, TaskRow, TaskStatus
@@ -76,7 +76,7 @@ class Client:
             return self.registry.spec_for(target)
         class_name, sep, method = target.replace("@", ".").partition(".")
         if not sep:
-            raise UnknownTaskError(f"{target!r}: name a task as 'Class.method'")
+            raise UnknownTaskError(f"{clip(target)}: name a task as 'Class.method'")
         return self.registry.resolve(class_name, method)
 
     def key_for(self, target: Target, *args: object) -> str:
@@ -98,7 +98,9 @@ class Client:
     ) -> str:
         """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
 
-        Creating a task whose key exists reschedules it (one row, one key). Returns the key.
+        Creating a task whose key exists reschedules it (one row, one key): whatever its state,
+        exactly one run happens at or after the new due time. A run already claimed for the old
+        due time (running, or claimed just before this) still happens, unrecorded. Returns the key.
         """
         return self.create_many([TaskRequest(target, args, ttl_s, ttl_ms, at, retry_schedule_s)])[0]
 

@@ -262,8 +262,20 @@ def _error_code(exc: SQLAlchemyError) -> int | None:
     return args[0] if args and isinstance(args[0], int) else None
 
 
+# InnoDB deadlock: the server rolled the transaction back and expects the client to run it again
+# (a create rescheduling a key deadlocks with a claim of the same row). A lock wait timeout is
+# not retried here: the claimer splits its batch around the locked row instead.
+_ROLLED_BACK_BY_SERVER = {1213}
+
+
+def _rolled_back_by_server(exc: StoreError) -> bool:
+    args: tuple[object, ...] = getattr(getattr(exc.__cause__, "orig", None), "args", ())
+    return bool(args) and args[0] in _ROLLED_BACK_BY_SERVER
+
+
 def _retried(method: Callable[..., R]) -> Callable[..., R]:
-    """Run a Store method once more when its connection turned out to be dead.
+    """Run a Store method once more when its connection turned out to be dead, or MariaDB chose
+    it as a deadlock's victim.
 
     Safe because every method is idempotent or keyed by a claim token: a claim repeated after an
     ambiguous commit finds its rows by token, a repeated record or cancel changes nothing more.
@@ -274,7 +286,7 @@ def _retried(method: Callable[..., R]) -> Callable[..., R]:
         try:
             return method(self, *args, **kwargs)
         except StoreError as exc:
-            if not exc.disconnected:
+            if not (exc.disconnected or _rolled_back_by_server(exc)):
                 raise
             return method(self, *args, **kwargs)
 

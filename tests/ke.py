@@ -60,6 +60,18 @@ def settings(redis_url: str, db_url: str, tmp_path: Path) -> Settings:
 
 
 @pytest.fixture
+def cli_env(redis_url: str, sqlite_url: str, tmp_path: Path) -> dict[str, str]:
+    """Environment for a `keyexpiry` command on the session Redis and a fresh SQLite ledger."""
+    return {
+        "KEYEXPIRY_REDIS_URL": redis_url,
+        "KEYEXPIRY_DATABASE_URL": sqlite_url,
+        "KEYEXPIRY_STATE_DIR": str(tmp_path / "state"),
+        "KEYEXPIRY_TASKS": "tests.sample_tasks",
+        "KEYEXPIRY_SENTINEL_COUNT": "0",
+    }
+
+
+@pytest.fixture
 def client(settings: Settings) -> Iterator[Client]:
     """A client on `settings`, closed at teardown."""
     sample_tasks.reset()

@@ -40,6 +40,8 @@ class Row:
     lost: int
     recover_s: float
     guarantee: str
+    cancelled: int = 0
+    """Tasks a truthful cancel stopped: each has no run and status cancelled."""
 
 
 class Verdict:
@@ -66,13 +68,15 @@ class Verdict:
         timeout_s: float = 30.0,
         at_least_once: bool = False,
         calls: Mapping[str, int] | None = None,
+        cancelled: Sequence[str] = (),
     ) -> Row:
         """Wait until every key is done (or `timeout_s` passes), record, then assert.
 
         `since_ms` is when the fault ended (Redis clock); recovery is measured from it,
         or from the last due time when it is later. `at_least_once` is for the
         documented crash windows, where a second run is allowed. `calls` counts handler
-        runs (default: the in-process sample tasks).
+        runs (default: the in-process sample tasks). `cancelled` lists tasks whose
+        cancel returned True: each must be `cancelled` in the ledger and never have run.
         """
         deadline = time.monotonic() + timeout_s
         rows = client.store.get_many(list(keys))
@@ -83,18 +87,27 @@ class Verdict:
             rows = client.store.get_many(list(keys))
         counts = sample_tasks.CALLS if calls is None else calls
         runs = [counts.get(k, 0) for k in keys]
+        stopped = client.store.get_many(list(cancelled))
+        # A cancelled task that ran anyway (or is not cancelled) is reported as run twice:
+        # cancel said it would not run, so any run is one too many.
+        untruthful = [
+            k
+            for k in cancelled
+            if counts.get(k, 0) or k not in stopped or stopped[k].status is not TaskStatus.CANCELLED
+        ]
         done = [r for r in rows.values() if r.status is TaskStatus.DONE]
         start_ms = max([r.due_at_ms for r in rows.values()] + [since_ms or 0])
         end_ms = max((r.finished_at_ms or 0 for r in done), default=start_ms)
         row = Row(
             scenario=self.scenario,
             backend=self.backend,
-            tasks=len(keys),
+            tasks=len(keys) + len(cancelled),
             run_once=sum(1 for n in runs if n == 1),
-            run_twice=sum(1 for n in runs if n > 1),
+            run_twice=sum(1 for n in runs if n > 1) + len(untruthful),
             lost=sum(1 for n in runs if n == 0),
             recover_s=round(max(0, end_ms - start_ms) / 1000, 2),
             guarantee="at least once" if at_least_once else "exactly once",
+            cancelled=len(cancelled) - len(untruthful),
         )
         _append(self._request.config, row)
         late = [r.key for r in rows.values() if r.started_at_ms and r.started_at_ms < r.due_at_ms]
@@ -102,6 +115,7 @@ class Verdict:
         not_done = [k for k in keys if k not in rows or rows[k].status is not TaskStatus.DONE]
         assert not not_done, f"{len(not_done)} not done within {timeout_s} s, e.g. {not_done[:3]}"
         assert row.lost == 0, row
+        assert not untruthful, f"cancel said True but ran or is not cancelled: {untruthful[:5]}"
         if not at_least_once:
             assert row.run_twice == 0, row
         return row
@@ -154,18 +168,26 @@ def render(rows: Sequence[Row]) -> str:
         "Produced by `make reliability` (runs `tests/faults/` against real redis-server and",
         "MariaDB/SQLite and writes this file); every row is one scenario's ledger and handler",
         "counts. *Recover* is the time from the later of the fault's end and the last due time",
-        "to the last task finished. See docs/GUARANTEES.md for what is promised.",
+        "to the last task finished. *Cancelled*: tasks whose cancel returned True, none of",
+        "which ran. See docs/GUARANTEES.md for what is promised.",
         "",
-        "| scenario | ledger | tasks | run once | run twice | lost | recover (s) | promise |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| scenario | ledger | tasks | run once | run twice | lost | cancelled | recover (s) "
+        "| promise |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.scenario} | {r.backend} | {r.tasks} | {r.run_once} | {r.run_twice} "
-            f"| {r.lost} | {r.recover_s:.2f} | {r.guarantee} |"
+            f"| {r.lost} | {r.cancelled} | {r.recover_s:.2f} | {r.guarantee} |"
         )
     total = sum(r.tasks for r in rows)
     lost = sum(r.lost for r in rows)
     twice = sum(r.run_twice for r in rows)
-    lines += ["", f"{len(rows)} scenario runs, {total} tasks, {lost} lost, {twice} run twice.", ""]
+    cancelled = sum(r.cancelled for r in rows)
+    lines += [
+        "",
+        f"{len(rows)} scenario runs, {total} tasks, {lost} lost, {twice} run twice, "
+        f"{cancelled} cancelled.",
+        "",
+    ]
     return "\n".join(lines)

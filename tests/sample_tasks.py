@@ -11,15 +11,18 @@ from keyexpiry import DoNotRetry, current, exposed, task
 CALLS: Counter[str] = Counter()
 """How many times each key's handler was entered (in this process)."""
 CALL_ARGS: dict[str, tuple[object, ...]] = {}
+RUN_DUES: dict[str, list[int]] = {}
+"""The due time (ms) each run of a key was claimed for, in call order."""
 GATES: dict[str, threading.Event] = {}
 _lock = threading.Lock()
 
 
 def _note(*args: object) -> None:
-    key = current().key
+    ctx = current()
     with _lock:
-        CALLS[key] += 1
-        CALL_ARGS[key] = args
+        CALLS[ctx.key] += 1
+        CALL_ARGS[ctx.key] = args
+        RUN_DUES.setdefault(ctx.key, []).append(ctx.due_at_ms)
 
 
 def reset() -> None:
@@ -27,6 +30,7 @@ def reset() -> None:
     with _lock:
         CALLS.clear()
         CALL_ARGS.clear()
+        RUN_DUES.clear()
         for gate in GATES.values():
             gate.set()
         GATES.clear()

@@ -23,14 +23,8 @@ runner = CliRunner()
 
 
 @pytest.fixture
-def env(redis_url: str, sqlite_url: str, tmp_path: Path) -> dict[str, str]:
-    return {
-        "KEYEXPIRY_REDIS_URL": redis_url,
-        "KEYEXPIRY_DATABASE_URL": sqlite_url,
-        "KEYEXPIRY_STATE_DIR": str(tmp_path / "state"),
-        "KEYEXPIRY_TASKS": "tests.sample_tasks",
-        "KEYEXPIRY_SENTINEL_COUNT": "0",
-    }
+def env(cli_env: dict[str, str]) -> dict[str, str]:
+    return cli_env  # tests/ke.py
 
 
 def invoke(env: dict[str, str], *args: str) -> tuple[int, str, str]:

@@ -85,7 +85,7 @@ def test_bulk_create_and_bulk_cancel(
     client: Client, settings: Settings, start_listener: StartListener
 ) -> None:
     keys = client.create_many(
-        TaskRequest("Probe.record", (f"bulk{i}",), ttl_ms=1500) for i in range(2000)
+        TaskRequest("Probe.record", (f"bulk{i}",), ttl_ms=4000) for i in range(2000)
     )
     assert len(keys) == 2000 and client.store.count_pending() == 2000
     assert client.redis.exists(*keys) == 2000
