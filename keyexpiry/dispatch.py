@@ -159,6 +159,10 @@ class Dispatcher:
         with self._cond:
             self._cond.notify_all()
 
+    def backlog(self) -> int:
+        """Keys submitted and not yet claimed (or found not claimable)."""
+        return self._incoming.qsize() + len(self._backlog)
+
     def idle(self) -> bool:
         """Nothing queued, claimed, running or waiting to be recorded."""
         with self._cond:

@@ -546,11 +546,15 @@ class Listener:
         ):
             self._last_lease_check_s = now_s
             self.reconciler.requeue_expired_leases()
-            # Without events the ledger is the only path: run what is due now, not a grace later.
-            self.reconciler.repair_stuck(
-                grace_ms=int(self.settings.stuck_after_s * 1000) if self.events_arriving else 0,
-                events_arriving=self.events_arriving,
-            )
+            # Overdue rows while our claimer still has events queued are most likely among them
+            # (every listener gets every event): re-arming them now would only swell the backlog
+            # of every listener. They are repaired once it drains (or by the next full pass).
+            if self.dispatcher.backlog() == 0 or not self.events_arriving:
+                # Without events the ledger is the only path: run what is due now.
+                self.reconciler.repair_stuck(
+                    grace_ms=int(self.settings.stuck_after_s * 1000) if self.events_arriving else 0,
+                    events_arriving=self.events_arriving,
+                )
         if not self.subscribed.is_set():
             return
         if self._canary_sent_s is not None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -81,6 +83,9 @@ class Spawned:
                 env=subprocess_env(settings, **env),
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                # faketime forks the listener and waits: signal the whole group, or the
+                # listener outlives the test and spins on its dead servers.
+                start_new_session=True,
             )
         self.procs.append(proc)
 
@@ -92,15 +97,32 @@ class Spawned:
         return proc, log
 
     def stop_all(self) -> None:
-        """SIGTERM each listener still alive; SIGKILL it if it does not stop within 15 s."""
+        """SIGTERM each listener still alive; SIGKILL what is left after 15 s."""
         for proc in self.procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                _signal_group(proc, signal.SIGTERM)
+                # faketime itself may exit first: wait for the whole group to be gone.
+                deadline = time.monotonic() + 15
+                while _group_alive(proc) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
+    proc.poll()  # reap the leader
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 @pytest.fixture
@@ -298,7 +320,7 @@ def test_listener_killed_between_claim_and_handler_start(
     assert ledger.create("Probe.record", "claimed", ttl_ms=100) == waiting
     wait_until(lambda: proxy.broken == 1, 20, message=f"never claimed:\n{log.read_text()}")
     wait_status(ledger, waiting, TaskStatus.RUNNING, timeout_s=5)
-    proc.send_signal(signal.SIGKILL)
+    _signal_group(proc, signal.SIGKILL)
     proc.wait(10)
     start_listener(make_settings(redis_url, mysql_url, tmp_path))
     base = verdict.scenario

@@ -308,8 +308,8 @@ def test_three_listeners_share_a_load_without_double_runs(
 ) -> None:
     listeners = [start_listener(settings) for _ in range(3)]
     keys = client.create_many(
-        TaskRequest("Probe.record", (f"three{i}",), ttl_ms=200 + i % 500) for i in range(3000)
+        TaskRequest("Probe.record", (f"three{i}",), ttl_ms=1000 + i % 1000) for i in range(10_000)
     )
-    verdict.check(client, keys, timeout_s=60)
+    verdict.check(client, keys, timeout_s=120)
     # Stats count after the ledger write, so wait for them rather than read them at once.
-    wait_until(lambda: sum(r.listener.dispatcher.stats.done for r in listeners) == 3000, 10)
+    wait_until(lambda: sum(r.listener.dispatcher.stats.done for r in listeners) == 10_000, 10)
