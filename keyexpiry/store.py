@@ -34,8 +34,6 @@ from sqlalchemy import (
     event,
     func,
     inspect,
-    literal_column,
-    null,
     select,
     update,
 )
@@ -229,27 +227,16 @@ _RESET_ON_CREATE = (
 """What creating an existing key resets: it becomes a fresh pending task with a new due time."""
 
 
-# What every new (or reset) row holds, written into the statement itself: fewer values per row
-# for the driver to escape, which is most of a bulk create's client-side cost.
-_NEW_ROW_CONSTANTS = {
-    "status": literal_column(f"'{TaskStatus.PENDING.value}'"),
-    "attempts": literal_column("0"),
-    "started_at_ms": null(),
-    "finished_at_ms": null(),
-    "claimed_by": null(),
-    "lease_until_ms": null(),
-    "last_error": null(),
-}
-
-
 def _upsert_statement(dialect: str) -> Any:
     """INSERT … ON CONFLICT/DUPLICATE KEY UPDATE for `dialect`, built once per store."""
     if dialect == "sqlite":
-        ins = sqlite.insert(T).values(_NEW_ROW_CONSTANTS)
+        ins = sqlite.insert(T)
         return ins.on_conflict_do_update(
             index_elements=[T.c.task_key], set_={c: ins.excluded[c] for c in _RESET_ON_CREATE}
         )
-    mins = mysql.insert(T).values(_NEW_ROW_CONSTANTS)
+    # Every column a bound value: PyMySQL folds an executemany into multi-row INSERTs only when
+    # the VALUES clause holds nothing but placeholders (a literal there means a round trip a row).
+    mins = mysql.insert(T)
     return mins.on_duplicate_key_update({c: mins.inserted[c] for c in _RESET_ON_CREATE})
 
 
@@ -351,12 +338,19 @@ class Store:
                 "class_name": t.class_name,
                 "method": t.method,
                 "args": json.dumps(list(t.args), ensure_ascii=False),
+                "status": TaskStatus.PENDING.value,
+                "attempts": 0,
                 "retry_schedule_s": json.dumps(list(t.retry_schedule_s))
                 if t.retry_schedule_s is not None
                 else None,
                 "due_at_ms": t.due_at_ms,
                 "created_at_ms": now_ms,
                 "updated_at_ms": now_ms,
+                "started_at_ms": None,
+                "finished_at_ms": None,
+                "claimed_by": None,
+                "lease_until_ms": None,
+                "last_error": None,
             }
             for t in tasks
         ]
