@@ -162,6 +162,9 @@ class Outcome:
     last_error: str | None
 
 
+_LOCK_WAIT_MAX_S = 5
+
+
 def make_engine(url: str) -> Engine:
     """An engine tuned for the ledger: SQLite in WAL mode with a busy timeout, MySQL pre-pinged."""
     try:
@@ -179,7 +182,7 @@ def make_engine(url: str) -> Engine:
                 cur.close()
 
             return engine
-        return create_engine(
+        engine = create_engine(
             url,
             # No pre-ping (a round trip per checkout, on every create and claim): a statement
             # that finds its connection dead is retried once on a fresh one instead (see
@@ -192,6 +195,20 @@ def make_engine(url: str) -> Engine:
             # listeners claiming neighbouring keys.
             isolation_level="READ COMMITTED",
         )
+
+        @event.listens_for(engine, "connect")
+        def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
+            # keyexpiry's own transactions hold row locks for milliseconds: waiting the server's
+            # default 50 s on a row someone else locked would stall the claimer for that long
+            # (and again when it claims around the lock). A lower server setting is kept.
+            cur = dbapi_conn.cursor()
+            cur.execute(
+                "SET SESSION innodb_lock_wait_timeout = "
+                f"LEAST(@@GLOBAL.innodb_lock_wait_timeout, {_LOCK_WAIT_MAX_S})"
+            )
+            cur.close()
+
+        return engine
     except (SQLAlchemyError, ImportError, ValueError) as exc:
         raise StoreError(f"cannot use database {mask_url(url)}: {exc}") from None
 

@@ -173,3 +173,14 @@ def test_a_bulk_create_is_a_few_multi_row_statements_not_one_per_task(mysql_url:
     assert inserts() - before < 10
     assert store.count_pending() == 2000
     store.engine.dispose()
+
+
+def test_ledger_connections_wait_at_most_5_s_on_a_row_lock(mysql_url: str) -> None:
+    # The server's default is 50 s: a row locked elsewhere would stall the claimer that long.
+    engine = make_engine(mysql_url)
+    with engine.connect() as conn:
+        got = conn.exec_driver_sql(
+            "SELECT @@SESSION.innodb_lock_wait_timeout, @@GLOBAL.innodb_lock_wait_timeout"
+        ).one()
+    engine.dispose()
+    assert tuple(got) == (5, 50)
