@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from decimal import Decimal
@@ -15,6 +16,8 @@ RUN_DUES: dict[str, list[int]] = {}
 """The due time (ms) each run of a key was claimed for, in call order."""
 GATES: dict[str, threading.Event] = {}
 _lock = threading.Lock()
+RUNS_FILE_ENV = "KEYEXPIRY_TEST_RUNS_FILE"
+"""`Probe.logged` appends each run's key to the file this variable names (in any process)."""
 
 
 def _note(*args: object) -> None:
@@ -36,6 +39,15 @@ def reset() -> None:
         GATES.clear()
 
 
+def runs_in(path: str | os.PathLike[str]) -> Counter[str]:
+    """How many times `Probe.logged` ran each key, across all processes writing `path`."""
+    try:
+        with open(path) as fh:
+            return Counter(line.rstrip("\n") for line in fh)
+    except FileNotFoundError:
+        return Counter()
+
+
 def gate(name: str) -> threading.Event:
     """The event a `Probe.wait` run named `name` blocks on."""
     with _lock:
@@ -49,6 +61,16 @@ class Probe:
     @exposed
     def record(self, name: str) -> None:
         _note(name)
+
+    @exposed
+    def logged(self, name: str) -> None:
+        _note(name)
+        # One O_APPEND write per run: lines from concurrent workers and processes never mix.
+        fd = os.open(os.environ[RUNS_FILE_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{current().key}\n".encode())
+        finally:
+            os.close(fd)
 
     @exposed
     def typed(self, n: int, price: Decimal, flag: bool, ratio: float, label: str = "x") -> None:

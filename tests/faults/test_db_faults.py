@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,8 +14,8 @@ from loguru import logger
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.store import TaskStatus
 from tests import sample_tasks
-from tests.conftest import MariaDBFactory, _require
-from tests.faults.test_process_faults import ROOT, _env
+from tests.conftest import MariaDBFactory
+from tests.faults.spawn import ROOT, Spawned, keyexpiry_command, signal_group, subprocess_env
 from tests.ke import Running, make_settings, wait_status
 from tests.proxy import Fault, MySQLProxy, updates_status
 from tests.reliability import Verdict
@@ -35,102 +32,6 @@ def ledger(redis_url: str, mysql_url: str, tmp_path: Path) -> Iterator[Client]:
     with Client(make_settings(redis_url, mysql_url, tmp_path)) as client:
         yield client
     sample_tasks.reset()
-
-
-# wolfcw/libfaketime#426: with the monotonic clock left real, libfaketime 0.9.10 breaks
-# clock_nanosleep(TIMER_ABSTIME), which time.sleep() uses since Python 3.11 (EINVAL); faking the
-# monotonic clock instead hangs timed waits on locks. Waits on an Event are unaffected, so the
-# skewed process sleeps on one (the only change to it besides the clock).
-_SLEEP_ON_EVENT = """
-import runpy, threading, time
-def _sleep(seconds):
-    threading.Event().wait(max(seconds, 0))
-time.sleep = _sleep
-runpy.run_module("keyexpiry", run_name="__main__", alter_sys=True)
-"""
-
-
-def keyexpiry_command(*args: str, skew: str | None = None) -> list[str]:
-    """`python -m keyexpiry ARGS`, under faketime with the wall clock moved by `skew` if given."""
-    if skew is None:
-        return [sys.executable, "-m", "keyexpiry", *args]
-    faketime = _require("faketime")
-    return [faketime, "-m", "-f", skew, sys.executable, "-c", _SLEEP_ON_EVENT, *args]
-
-
-def subprocess_env(settings: Settings, **extra: str) -> dict[str, str]:
-    """The environment of a keyexpiry subprocess on `settings`, plus `extra` variables."""
-    # Read by libfaketime only: fake the wall clock, never the monotonic one.
-    return {**_env(settings), "FAKETIME_DONT_FAKE_MONOTONIC": "1", **extra}
-
-
-class Spawned:
-    """Listener subprocesses (`python -m keyexpiry listen`), killed at teardown if still alive."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self._tmp = tmp_path
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def listen(
-        self, settings: Settings, *, skew: str | None = None, **env: str
-    ) -> tuple[subprocess.Popen[bytes], Path]:
-        """Start a listener (its clock skewed by `skew`) and wait until it has subscribed."""
-        log = self._tmp / f"listener-{len(self.procs)}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                keyexpiry_command("listen", skew=skew),
-                cwd=ROOT,
-                env=subprocess_env(settings, **env),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                # faketime forks the listener and waits: signal the whole group, or the
-                # listener outlives the test and spins on its dead servers.
-                start_new_session=True,
-            )
-        self.procs.append(proc)
-
-        def subscribed() -> bool:
-            assert proc.poll() is None, f"listener exited:\n{log.read_text()[-3000:]}"
-            return "subscribed to" in log.read_text()
-
-        wait_until(subscribed, 30, interval_s=0.05, message=f"listener never subscribed ({log})")
-        return proc, log
-
-    def stop_all(self) -> None:
-        """SIGTERM each listener still alive; SIGKILL what is left after 15 s."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
-                # faketime itself may exit first: wait for the whole group to be gone.
-                deadline = time.monotonic() + 15
-                while _group_alive(proc) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-
-
-def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
-    proc.poll()  # reap the leader
-    try:
-        os.killpg(proc.pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)
-    except ProcessLookupError:
-        pass
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawned]:
-    """Start listener subprocesses; they are stopped (or killed) at teardown."""
-    spawned = Spawned(tmp_path)
-    yield spawned
-    spawned.stop_all()
 
 
 @pytest.fixture
@@ -320,7 +221,7 @@ def test_listener_killed_between_claim_and_handler_start(
     assert ledger.create("Probe.record", "claimed", ttl_ms=100) == waiting
     wait_until(lambda: proxy.broken == 1, 20, message=f"never claimed:\n{log.read_text()}")
     wait_status(ledger, waiting, TaskStatus.RUNNING, timeout_s=5)
-    _signal_group(proc, signal.SIGKILL)
+    signal_group(proc, signal.SIGKILL)
     proc.wait(10)
     start_listener(make_settings(redis_url, mysql_url, tmp_path))
     base = verdict.scenario

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
 import random
 import signal
 import subprocess
@@ -22,25 +21,14 @@ from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.errors import StoreError
 from keyexpiry.store import NewTask, Store, TaskStatus, make_engine
 from tests import sample_tasks
-from tests.conftest import MariaDBFactory
-from tests.ke import FAST, Running, make_settings, wait_status
+from tests.conftest import MariaDBFactory, RedisFactory
+from tests.faults.spawn import ROOT, Spawned, listener_env, signal_group
+from tests.ke import Running, make_settings, wait_status
 from tests.reliability import Verdict
 from tests.servers import MariaDBServer, wait_until
 
 pytestmark = pytest.mark.faults
 StartListener = Callable[[Settings], Running]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env(settings: Settings) -> dict[str, str]:
-    env = {**os.environ, "KEYEXPIRY_TASKS": "tests.sample_tasks"}
-    env["KEYEXPIRY_REDIS_URL"] = settings.redis_url or ""
-    env["KEYEXPIRY_DATABASE_URL"] = settings.database_url or ""
-    for name, value in FAST.items():
-        env[f"KEYEXPIRY_{name.upper()}"] = (
-            ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
-        )
-    return env
 
 
 def test_listener_killed_mid_handler_is_run_again_elsewhere(
@@ -49,7 +37,7 @@ def test_listener_killed_mid_handler_is_run_again_elsewhere(
     proc = subprocess.Popen(
         [sys.executable, "-m", "keyexpiry", "listen"],
         cwd=ROOT,
-        env=_env(settings),
+        env=listener_env(settings),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -313,3 +301,68 @@ def test_three_listeners_share_a_load_without_double_runs(
     verdict.check(client, keys, timeout_s=120)
     # Stats count after the ledger write, so wait for them rather than read them at once.
     wait_until(lambda: sum(r.listener.dispatcher.stats.done for r in listeners) == 10_000, 10)
+
+
+STOPPED_TASKS = 100_000
+# 100k expired events are about 6 MB on the subscriber's socket, under Redis's default hard
+# limit of 32 MB: lowered so that stopping the listener makes Redis drop it, as a real backlog of
+# a few million events would.
+_SMALL_PUBSUB_BUFFER = ["--client-output-buffer-limit", "pubsub", "1mb", "256kb", "1"]
+
+
+class RunsFile(Mapping[str, int]):
+    """Runs per key that `Probe.logged` wrote to a file, read once on first use (after the
+    wait: a run is in the file before its outcome reaches the ledger)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._counts: Mapping[str, int] | None = None
+
+    def _read(self) -> Mapping[str, int]:
+        if self._counts is None:
+            self._counts = sample_tasks.runs_in(self.path)
+        return self._counts
+
+    def __getitem__(self, key: str) -> int:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+
+def test_listener_stopped_while_100k_tasks_expire_catches_up(
+    redis_factory: RedisFactory, mysql_url: str, tmp_path: Path, spawn: Spawned, verdict: Verdict
+) -> None:
+    """Scenario 12: the listener is frozen (SIGSTOP) while 100k tasks fall due. Its unread
+    events pass Redis's pubsub output limit and Redis closes the connection, so those events
+    are gone for good. After SIGCONT the listener notices, reconnects, reconciles from the
+    ledger and runs every task exactly once."""
+    server = redis_factory(args=_SMALL_PUBSUB_BUFFER)
+    runs = tmp_path / "runs.txt"
+    cfg = make_settings(server.url(), mysql_url, tmp_path)
+    with Client(cfg) as c:
+        proc, log = spawn.listen(cfg, **{sample_tasks.RUNS_FILE_ENV: str(runs)})
+        signal_group(proc, signal.SIGSTOP)
+        keys = c.create_many(
+            TaskRequest("Probe.logged", (f"stop{i}",), ttl_ms=1000 + i % 1000)
+            for i in range(STOPPED_TASKS)
+        )
+        wait_until(lambda: _none_left(c, keys), 60, message="Redis never expired the tasks")
+        wait_until(
+            lambda: "output buffer limits" in server.log_path.read_text(),
+            10,
+            message=f"Redis never dropped the stopped subscriber:\n{server.log_tail()}",
+        )
+        assert not runs.exists()  # nothing ran while the listener was stopped
+        since_ms = c.clock.now_ms()
+        signal_group(proc, signal.SIGCONT)
+        verdict.check(c, keys, since_ms=since_ms, calls=RunsFile(runs), timeout_s=240)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert "re-established after a dropped connection" in log.read_text()
+
+
+def _none_left(c: Client, keys: list[str]) -> bool:
+    return all(c.redis.exists(*keys[i : i + 10_000]) == 0 for i in range(0, len(keys), 10_000))
