@@ -62,6 +62,8 @@ class DispatchStats:
     dead: int = 0
     timed_out: int = 0
     not_claimed: int = 0
+    already_queued: int = 0
+    """Submissions dropped because the key was still waiting for its claim."""
     leases_extended: int = 0
     claims_lost: int = 0
     ignored: int = 0
@@ -90,6 +92,10 @@ class Dispatcher:
         self.owner = owner
         self.stats = DispatchStats()
         self._incoming: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # Keys in _incoming or _backlog: a key seen twice before its claim (its event and a
+        # reconciliation after a reconnect) is claimed once, not once per sighting.
+        self._queued: set[str] = set()
+        self._queued_lock = threading.Lock()
         self._runq: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
         self._outcomes: list[Outcome] = []
         self._cond = threading.Condition()
@@ -119,9 +125,15 @@ class Dispatcher:
 
     def submit(self, keys: Iterable[str]) -> None:
         """Queue task keys whose expiry (or overdue state) was seen; never blocks."""
-        for key in keys:
-            self.stats.submitted += 1
-            self._incoming.put(key)
+        keys = list(keys)  # may be lazy: never read it under the lock
+        with self._queued_lock:
+            for key in keys:
+                self.stats.submitted += 1
+                if key in self._queued:
+                    self.stats.already_queued += 1
+                    continue
+                self._queued.add(key)
+                self._incoming.put(key)
 
     def stop(self, timeout_s: float) -> None:
         """Stop claiming, let running handlers finish for up to `timeout_s`, release the rest."""
@@ -205,18 +217,21 @@ class Dispatcher:
                 break
             self._drain_incoming()
             batch: list[str] = []
-            seen: set[str] = set()
-            while self._backlog and len(batch) < room:
-                key = self._backlog.popleft()
-                if key not in seen:
-                    seen.add(key)
-                    batch.append(key)
+            with self._queued_lock:
+                # Off the queue before the claim: a sighting during the claim (the task moved
+                # and fell due again) queues the key anew.
+                while self._backlog and len(batch) < room:
+                    batch.append(key := self._backlog.popleft())
+                    self._queued.discard(key)
             try:
                 self._claim_batch(batch)
                 backoff_s = self.settings.reconnect_initial_s
             except (StoreError, redis.RedisError) as exc:
                 self.stats.store_errors += 1
-                self._backlog.extendleft(reversed(batch))
+                with self._queued_lock:
+                    again = [k for k in batch if k not in self._queued]
+                    self._queued.update(again)
+                    self._backlog.extendleft(reversed(again))
                 logger.error(
                     "claiming {} task(s) failed: {}; retrying in {:.1f} s",
                     len(batch),
