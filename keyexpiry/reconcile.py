@@ -107,10 +107,12 @@ class Reconciler:
             return 0
         if self.submit is not None and not events_arriving:
             self.submit([k for k, _ in rows])
+            action = "running them from the ledger (expired events are not arriving)"
         else:
             arm_keys(self.redis, rows, now_ms, self.settings)
+            action = "re-armed"
         logger.warning(
-            "{} pending task(s) overdue by more than {} ms: re-armed", len(rows), grace_ms
+            "{} pending task(s) overdue by more than {} ms: {}", len(rows), grace_ms, action
         )
         return len(rows)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -335,3 +336,37 @@ def test_a_claim_whose_lease_ran_out_in_the_queue_is_not_run_a_second_time(
     wait_until(lambda: running.listener.dispatcher.idle(), 5)
     assert sample_tasks.CALLS[queued] == 1
     assert running.listener.dispatcher.stats.claims_lost == 1
+
+
+def test_a_burst_of_other_expired_events_does_not_trip_the_canary(
+    redis_url: str, sqlite_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    """The canary's own event can sit behind thousands of others (100k tasks due at once) for
+    longer than its 2 s window: while other events are being read, that is a queue, not a lost
+    stream, and must not be reported as "expired events are not arriving"."""
+    burst = 4000
+    running = start_listener(make_settings(redis_url, sqlite_url, tmp_path))
+    listener = running.listener
+    handle_key = listener.handle_key
+
+    def slow_handle_key(raw: bytes | str) -> None:
+        time.sleep(0.001)  # a subscriber busy for about 1 ms per event: the burst takes > 4 s
+        handle_key(raw)
+
+    listener.handle_key = slow_handle_key  # type: ignore[method-assign]
+    wait_until(lambda: listener.events_arriving, 5)
+    canaries = listener.events  # the canary's events so far (everything else is quiet)
+    pipe = listener.redis.pipeline(transaction=False)
+    for i in range(burst):
+        pipe.set(f"other-app:burst:{i}", b"", px=20)
+    pipe.execute()
+    seen_false: list[float] = []
+
+    def burst_read() -> bool:
+        if not listener.events_arriving:
+            seen_false.append(time.monotonic())
+        return listener.foreign >= burst
+
+    wait_until(burst_read, 30, interval_s=0.01, message=f"read {listener.foreign} of {burst}")
+    assert listener.events - canaries >= burst
+    assert not seen_false, "the canary declared the event stream lost during the burst"
