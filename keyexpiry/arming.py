@@ -7,10 +7,12 @@ from collections.abc import Iterator, Sequence
 import redis
 
 from keyexpiry.connections import redis_db
-from keyexpiry.keys import wake_channel
+from keyexpiry.keys import MAX_KEY_BYTES, wake_channel
 from keyexpiry.settings import Settings
 
 _WAKE_ENTRIES_PER_MESSAGE = 1000
+WAKE_MAX_BYTES = _WAKE_ENTRIES_PER_MESSAGE * (MAX_KEY_BYTES + 24)
+"""No wake message keyexpiry sends is longer (1,000 lines of a due time and a key)."""
 # Below this many future keys plain SETs are cheaper than a script (whose load check costs a
 # round trip); above it one script call per chunk replaces a command and a reply per key.
 _SCRIPT_MIN_KEYS = 64
@@ -62,9 +64,13 @@ def arm_keys(
 
 
 def parse_wake(payload: bytes | str) -> Iterator[tuple[str, int]]:
-    """(key, due_ms) pairs from a wake message; malformed lines are skipped."""
+    """(key, due_ms) pairs from a wake message; malformed lines are skipped, and so is a
+    message longer than WAKE_MAX_BYTES (not ours: never decoded or split)."""
+    if len(payload) > WAKE_MAX_BYTES:
+        return
+    # Task keys are ASCII (arguments are percent-escaped): anything else is not one of ours.
     text = payload.decode("ascii", "replace") if isinstance(payload, bytes) else payload
     for line in text.split("\n"):
         due, _, key = line.partition(" ")
-        if key and due.isdigit():
+        if key and len(key) <= MAX_KEY_BYTES and due.isascii() and due.isdigit():
             yield key, int(due)

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 from loguru import logger
 
-from keyexpiry.arming import parse_wake
+from keyexpiry.arming import WAKE_MAX_BYTES, parse_wake
 from keyexpiry.clock import RedisClock, monotonic_s
 from keyexpiry.connections import (
     describe_redis_error,
@@ -205,6 +205,8 @@ class Listener:
         self._refused = 0
         self.foreign = 0
         """Expired keys of other applications, dropped without a word."""
+        self.wakes_refused = 0
+        """Wake messages too long to be keyexpiry's, dropped undecoded."""
         self._prefix_bytes = settings.key_prefix.encode()
         self._internal_bytes = (settings.key_prefix + INTERNAL_MARK).encode()
         self._sentinel_bytes = (settings.key_prefix + SENTINEL_MARK).encode()
@@ -322,7 +324,7 @@ class Listener:
             count += 1
             if msg.get("type") == "message":
                 if msg["channel"] == self._wake_channel_bytes:
-                    self.driver.note(parse_wake(msg["data"]))
+                    self.handle_wake(msg["data"])
                 elif msg["channel"] == self._evicted_channel_bytes:
                     self.handle_evicted(msg["data"])
                 else:
@@ -391,6 +393,20 @@ class Listener:
             )
         logger.bind(key=key, attempt=0).debug("task key evicted: handed to the claimer")
         self.dispatcher.submit([key])
+
+    def handle_wake(self, data: bytes) -> None:
+        """Hand the tasks a wake message announces to the driver; a message longer than any
+        keyexpiry sends is dropped undecoded (logged the first time)."""
+        if len(data) > WAKE_MAX_BYTES:
+            self.wakes_refused += 1
+            if self.wakes_refused == 1:
+                logger.warning(
+                    "ignored a {}-byte message on {}: longer than keyexpiry sends",
+                    len(data),
+                    self.wake_channel,
+                )
+            return
+        self.driver.note(parse_wake(data))
 
     def _handle_internal(self, data: bytes) -> None:
         if data == self._canary_bytes:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from keyexpiry.arming import arm_keys
-from keyexpiry.keys import wake_channel
+from keyexpiry.arming import WAKE_MAX_BYTES, arm_keys, parse_wake
+from keyexpiry.keys import MAX_KEY_BYTES, wake_channel
 from keyexpiry.settings import Settings
 from tests.servers import wait_until
 
@@ -54,3 +54,16 @@ def test_keys_already_due_expire_at_once_as_expired_and_the_rest_wake_the_driver
     assert r.exists(*(k for k, _ in future)) == len(future)
     sub.close()
     r.close()
+
+
+def test_a_wake_message_yields_its_well_formed_lines_only() -> None:
+    long_key = "Probe@record@" + "x" * MAX_KEY_BYTES
+    payload = "\n".join(["5 Probe@record@a", "x Probe@record@b", "² Probe@record@c", "7", "",
+                         f"9 {long_key}", "11 Probe@record@d"])  # fmt: skip
+    assert list(parse_wake(payload.encode())) == [("Probe@record@a", 5), ("Probe@record@d", 11)]
+
+
+def test_a_wake_message_longer_than_keyexpiry_sends_is_not_read() -> None:
+    line = b"5 Probe@record@a\n"
+    assert list(parse_wake(line * (WAKE_MAX_BYTES // len(line)))) != []
+    assert list(parse_wake(line * (WAKE_MAX_BYTES // len(line) + 1))) == []

@@ -23,6 +23,7 @@ from loguru import logger
 from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
+from keyexpiry.arming import WAKE_MAX_BYTES
 from keyexpiry.cli import app
 from keyexpiry.errors import ArgumentError, KeyExpiryError, KeyFormatError, UnknownTaskError
 from keyexpiry.keys import MAX_KEY_BYTES
@@ -128,6 +129,26 @@ def test_hostile_keys_are_ignored_with_one_short_line_each_and_foreign_keys_sile
     assert not strays
     for raw in FOREIGN:
         assert not _about(log_lines, ascii(raw[:12])[2:-1]), raw[:12]
+    for line in log_lines:
+        assert line.count("\n") == 1 and len(line) < LINE_LIMIT, line[:200]
+
+
+def test_wake_messages_longer_than_keyexpiry_sends_are_dropped_with_one_line(
+    client: Client, settings: Settings, start_listener: StartListener, log_lines: list[str]
+) -> None:
+    """Anyone who may PUBLISH can write on the wake channel: a message larger than any the
+    arming code sends is dropped unread (one line for all of them), and the driver goes on."""
+    running = start_listener(settings)
+    listener = running.listener
+    hostile = b"1 Probe@record@x\n" * (2 * WAKE_MAX_BYTES // 17)
+    for _ in range(3):
+        client.redis.publish(listener.wake_channel, hostile)
+    wait_until(lambda: listener.wakes_refused == 3, 10)
+    assert listener.driver.pending_count() == 0
+    key = client.create("Probe.record", "after-the-wakes", ttl_ms=50)
+    wait_status(client, key, TaskStatus.DONE)
+    assert running.thread.is_alive()
+    assert len(_about(log_lines, "longer than keyexpiry sends")) == 1
     for line in log_lines:
         assert line.count("\n") == 1 and len(line) < LINE_LIMIT, line[:200]
 
