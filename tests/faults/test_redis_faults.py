@@ -25,6 +25,55 @@ def _setup(
     return server, make_settings(server.url(), db_url, tmp_path, **kw)
 
 
+def test_subscriber_connection_killed_while_tasks_are_due(
+    redis_factory: RedisFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    """Scenario 1: `CLIENT KILL TYPE pubsub` every 250 ms while 20 tasks fall due over 2 s;
+    events published while the subscriber reconnects are lost."""
+    server, cfg = _setup(redis_factory, db_url, tmp_path)
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"kill{i}",), ttl_ms=200 + 100 * i) for i in range(20)
+        )
+        last_due_ms = c.store.get(keys[-1]).due_at_ms  # type: ignore[union-attr]
+        kills = 0
+        while (now_ms := c.clock.now_ms()) < last_due_ms + 250:
+            kills += int(c.redis.client_kill_filter(_type="pubsub"))
+            wait_until(lambda n=now_ms: c.clock.now_ms() >= n + 250, 1, interval_s=0.005)
+        assert kills >= 8
+        verdict.check(c, keys, since_ms=c.clock.now_ms())
+        assert running.listener.gaps >= 1
+    assert server.running
+
+
+def test_redis_restarted_empty(
+    redis_factory: RedisFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    """Scenario 3: Redis without persistence stopped while tasks fall due, and started empty:
+    every task key is gone. The reconnect re-arms the future ones and runs the due ones."""
+    server, cfg = _setup(redis_factory, db_url, tmp_path)
+    with Client(cfg) as c:
+        start_listener(cfg)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"empty{i}",), ttl_ms=200 + 100 * i) for i in range(20)
+        )
+        c.redis.set("marker", b"")
+        server.stop()
+        wait_until(lambda: c.clock.now_ms() > c.store.get(keys[5]).due_at_ms, 5)  # type: ignore[union-attr]
+        server.start()
+        assert c.redis.exists("marker") == 0  # it did start empty
+        verdict.check(c, keys, since_ms=c.clock.now_ms())
+
+
 @pytest.mark.parametrize(
     "persistence",
     [["--appendonly", "yes"], ["--save", "1 1"]],
