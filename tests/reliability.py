@@ -55,7 +55,7 @@ class Verdict:
         uses_mariadb = {"mysql_url", "mariadb_factory"} & set(request.fixturenames)
         self.backend = "mariadb" if db == "mysql" or (db is None and uses_mariadb) else "sqlite"
         ids = getattr(getattr(node, "callspec", None), "id", "")
-        variant = [part for part in ids.split("-") if part and part not in ("sqlite", "mariadb")]
+        variant = [part for part in _id_parts(ids) if part not in ("sqlite", "mariadb")]
         name = node.originalname.removeprefix("test_").replace("_", " ")
         self.scenario = name + (f" [{', '.join(variant)}]" if variant else "")
 
@@ -119,6 +119,19 @@ class Verdict:
         if not at_least_once:
             assert row.run_twice == 0, row
         return row
+
+
+def _id_parts(ids: str) -> list[str]:
+    """The parameter ids pytest joined with "-"; an empty part marks a minus sign ("-10m")."""
+    parts: list[str] = []
+    sign = ""
+    for part in ids.split("-"):
+        if not part:
+            sign = "-"
+            continue
+        parts.append(sign + part)
+        sign = ""
+    return parts
 
 
 @pytest.fixture
