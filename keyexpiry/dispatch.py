@@ -226,18 +226,22 @@ class Dispatcher:
             try:
                 self._claim_batch(batch)
                 backoff_s = self.settings.reconnect_initial_s
-            except (StoreError, redis.RedisError) as exc:
+            except Exception as exc:
+                # Whatever the failure, the claimer lives on and the keys stay queued: a dead
+                # claimer would leave them marked queued, and every later sighting ignored.
                 self.stats.store_errors += 1
-                with self._queued_lock:
-                    again = [k for k in batch if k not in self._queued]
-                    self._queued.update(again)
-                    self._backlog.extendleft(reversed(again))
-                logger.error(
-                    "claiming {} task(s) failed: {}; retrying in {:.1f} s",
-                    len(batch),
-                    exc,
-                    backoff_s,
-                )
+                self._requeue(batch)
+                if isinstance(exc, StoreError | redis.RedisError):
+                    logger.error(
+                        "claiming {} task(s) failed: {}; retrying in {:.1f} s",
+                        len(batch),
+                        exc,
+                        backoff_s,
+                    )
+                else:
+                    logger.exception(
+                        "claiming {} task(s) failed; retrying in {:.1f} s", len(batch), backoff_s
+                    )
                 self._stop_claiming.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
             finally:
@@ -255,6 +259,13 @@ class Dispatcher:
             return workers * 2
         ahead = int(workers * _QUEUE_TARGET_S / max(avg, 1e-4))
         return workers + min(ahead, self.settings.claim_batch)
+
+    def _requeue(self, keys: list[str]) -> None:
+        """Put keys whose claim failed back at the head of the queue (unless queued again)."""
+        with self._queued_lock:
+            again = [k for k in keys if k not in self._queued]
+            self._queued.update(again)
+            self._backlog.extendleft(reversed(again))
 
     def _drain_incoming(self) -> None:
         limit = self.settings.claim_batch * 4
@@ -276,6 +287,7 @@ class Dispatcher:
         timeout_s = max(self._timeout_s(s) for s in specs.values())
         lease_until_ms = now_ms + int((timeout_s + self.settings.lease_grace_s) * 1000)
         token = f"{self.owner}:{next(self._seq)}"
+        locked: set[str] = set()
         try:
             rows = self.store.claim(
                 list(specs), now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
@@ -283,7 +295,7 @@ class Dispatcher:
         except StoreError as exc:
             if not exc.lock_timeout:
                 raise
-            rows = self._claim_around_locks(list(specs), exc, now_ms, lease_until_ms, token)
+            rows, locked = self._claim_around_locks(list(specs), exc, now_ms, lease_until_ms, token)
         self.stats.claimed += len(rows)
         with self._cond:
             self._inflight += len(rows)
@@ -291,28 +303,32 @@ class Dispatcher:
             spec = specs[row.key]
             self._runq.put(_Run(row, token, spec, self._timeout_s(spec), lease_until_ms))
         claimed = {r.key for r in rows}
-        unclaimed = [k for k in specs if k not in claimed]
+        # A locked row is left to the overdue check: re-armed now, it would come straight back
+        # and wait on the lock again.
+        unclaimed = [k for k in specs if k not in claimed and k not in locked]
         if unclaimed:
             self.stats.not_claimed += len(unclaimed)
             self._check_unclaimed(unclaimed)
 
     def _claim_around_locks(
         self, keys: list[str], exc: StoreError, now_ms: int, lease_until_ms: int, token: str
-    ) -> list[TaskRow]:
+    ) -> tuple[list[TaskRow], set[str]]:
         """Another transaction held one of these rows past the lock wait timeout: claim the keys
         one by one so only the locked rows are left behind, pending. Retrying those at once would
         keep the claimer waiting on the lock; the overdue check offers them again later.
+        Returns the rows claimed and the keys found locked.
         """
         self.stats.store_errors += 1
         if len(keys) == 1:
             _log_locked(keys[0], exc)
-            return []
+            return [], set(keys)
         logger.warning(
             "claiming {} task(s) waited too long on a row lock ({}); claiming them one by one",
             len(keys),
             exc,
         )
         rows: dict[int, TaskRow] = {}  # each claim returns every row held under the token
+        locked: set[str] = set()
         for i, key in enumerate(keys):
             try:
                 claimed = self.store.claim(
@@ -323,10 +339,11 @@ class Dispatcher:
                 if not err.lock_timeout:
                     # The rows claimed so far must still run; the rest waits in the backlog.
                     logger.error("claiming {} task(s) failed: {}", len(keys) - i, err)
-                    self._backlog.extendleft(reversed(keys[i:]))
+                    self._requeue(keys[i:])
                     break
                 _log_locked(key, err)
-        return list(rows.values())
+                locked.add(key)
+        return list(rows.values()), locked
 
     def _spec_for_key(self, key: str) -> TaskSpec | None:
         try:
@@ -554,6 +571,12 @@ class Dispatcher:
                 self.store.record(batch, self.clock.now_ms())
             except (StoreError, redis.RedisError) as exc:
                 self.stats.store_errors += 1
+                if isinstance(exc, StoreError) and exc.lock_timeout and len(batch) > 1:
+                    written, batch = self._record_around_locks(batch)
+                    self._after_record(written)
+                    with self._cond:
+                        self._recording -= len(written)
+                        self._cond.notify_all()
                 with self._cond:
                     self._outcomes[:0] = batch
                     self._recording -= len(batch)
@@ -578,6 +601,31 @@ class Dispatcher:
             with self._cond:
                 self._recording -= len(batch)
                 self._cond.notify_all()
+
+    def _record_around_locks(self, batch: list[Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+        """Another transaction held one of these rows past the lock wait timeout: record the
+        outcomes one by one so only those of locked rows wait. Retrying the whole batch would
+        hold every other outcome back until the lock goes, long enough for their leases to run
+        out and their tasks to run a second time. Returns (written, still to write)."""
+        logger.warning(
+            "recording {} outcome(s) waited too long on a row lock; recording them one by one",
+            len(batch),
+        )
+        written: list[Outcome] = []
+        locked: list[Outcome] = []
+        for i, outcome in enumerate(batch):
+            try:
+                self.store.record([outcome], self.clock.now_ms())
+            except StoreError as err:
+                if not err.lock_timeout:
+                    return written, locked + batch[i:]  # the database went away: later
+                logger.bind(key=outcome.key, attempt=0).warning(
+                    "row locked by another transaction ({}); its outcome is kept and retried", err
+                )
+                locked.append(outcome)
+                continue
+            written.append(outcome)
+        return written, locked
 
     def _after_record(self, batch: list[Outcome]) -> None:
         retries = [o for o in batch if o.status is TaskStatus.PENDING]

@@ -61,6 +61,8 @@ class _Rebuild(redis.ConnectionError):
 
 
 _MAX_MESSAGES_PER_STEP = 5000
+_CANARY_PATIENCE_S = 30.0
+"""How long the canary's event may lag behind a stream of other expired events."""
 
 
 def config_value(client: redis.Redis, name: str) -> str | None:
@@ -221,6 +223,7 @@ class Listener:
         self._canary_bytes = self._canary.encode()
         self._canary_seen = threading.Event()
         self._canary_sent_s: float | None = None
+        self._canary_first_sent_s = 0.0  # when the canary now awaited was first sent
         self._canary_events = 0  # `events` when the canary went out
         self.events_arriving = True
         self.problem: str | None = None
@@ -312,6 +315,7 @@ class Listener:
         if self._gap.is_set():
             self._gap.clear()
             self.gaps += 1
+            self._canary_sent_s = None  # its event may have been lost in the gap: send another
             logger.warning(
                 "subscription was re-established after a dropped connection; "
                 "reconciling what may have expired in the gap"
@@ -439,6 +443,7 @@ class Listener:
                 if self._stop.is_set():
                     break
                 self.gaps += 1
+                self._canary_sent_s = None
                 if isinstance(exc, _Rebuild):
                     logger.info("rebuilding the subscription")
                 elif isinstance(exc, redis.AuthenticationError):
@@ -582,9 +587,14 @@ class Listener:
                         self.problem = None
                 self.events_arriving = True
                 self._canary_sent_s = None
-            elif now_s - self._canary_sent_s > 2.0 and self.events > self._canary_events:
+            elif (
+                now_s - self._canary_sent_s > 2.0
+                and self.events > self._canary_events
+                and now_s - self._canary_first_sent_s < _CANARY_PATIENCE_S
+            ):
                 # Other expired events are being read: the canary's is queued behind a burst
-                # (100k keys due at once), not lost. Give it another window.
+                # (100k keys due at once), not lost. Give it another window, within a limit:
+                # another application's steady stream of events must not hide a lost canary.
                 self._canary_events = self.events
                 self._canary_sent_s = now_s
             elif now_s - self._canary_sent_s > 2.0:
@@ -603,6 +613,7 @@ class Listener:
             self._last_canary_s = now_s
             self._canary_seen.clear()
             self._canary_sent_s = now_s
+            self._canary_first_sent_s = now_s
             self._canary_events = self.events
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(self._canary, b"", px=1)

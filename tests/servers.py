@@ -735,3 +735,17 @@ def _check_db_name(name: str) -> str:
     if not _DB_NAME.fullmatch(name):
         raise ValueError(f"invalid database name {name!r} (use [A-Za-z0-9_], max 64)")
     return name
+
+
+def lock_waits(conn: pymysql.connections.Connection) -> int:
+    """Transactions of a MariaDB server waiting for a row lock, seen from `conn`.
+
+    InnoDB refreshes this view only when nobody read it for 100 ms: poll it slowly.
+    """
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = %s",
+            ("LOCK WAIT",),
+        )
+        row = cur.fetchone()
+        return int(row[0]) if row else 0

@@ -60,7 +60,9 @@ def test_a_wake_message_yields_its_well_formed_lines_only() -> None:
     long_key = "Probe@record@" + "x" * MAX_KEY_BYTES
     payload = "\n".join(["5 Probe@record@a", "x Probe@record@b", "² Probe@record@c", "7", "",
                          f"9 {long_key}", "11 Probe@record@d"])  # fmt: skip
-    assert list(parse_wake(payload.encode())) == [("Probe@record@a", 5), ("Probe@record@d", 11)]
+    expected = [("Probe@record@a", 5), ("Probe@record@d", 11)]
+    assert list(parse_wake(payload.encode())) == expected
+    assert list(parse_wake(payload)) == expected  # "²" is a digit int() refuses
 
 
 def test_a_wake_message_longer_than_keyexpiry_sends_is_not_read() -> None:

@@ -140,7 +140,10 @@ def test_wake_messages_longer_than_keyexpiry_sends_are_dropped_with_one_line(
     arming code sends is dropped unread (one line for all of them), and the driver goes on."""
     running = start_listener(settings)
     listener = running.listener
-    hostile = b"1 Probe@record@x\n" * (2 * WAKE_MAX_BYTES // 17)
+    # Due in a second, inside the driver's window: parsed, it would fill the driver's heap.
+    line = f"{client.clock.now_ms() + 1000} Probe@record@x\n".encode()
+    hostile = line * (2 * WAKE_MAX_BYTES // len(line))
+    wait_until(lambda: running.listener.driver.is_leader, 5)
     for _ in range(3):
         client.redis.publish(listener.wake_channel, hostile)
     wait_until(lambda: listener.wakes_refused == 3, 10)

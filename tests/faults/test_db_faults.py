@@ -19,7 +19,7 @@ from tests.faults.spawn import ROOT, Spawned, keyexpiry_command, signal_group, s
 from tests.ke import Running, make_settings, wait_status
 from tests.proxy import Fault, MySQLProxy, updates_status
 from tests.reliability import Verdict
-from tests.servers import wait_until
+from tests.servers import lock_waits, wait_until
 
 pytestmark = pytest.mark.faults
 StartListener = Callable[[Settings], Running]
@@ -139,6 +139,51 @@ def test_row_locked_past_the_lock_wait_timeout(
         finally:
             locker.rollback()
             locker.close()
+        verdict.check(c, keys, since_ms=c.clock.now_ms())
+
+
+def test_outcomes_are_recorded_around_a_row_locked_past_the_lock_wait_timeout(
+    mariadb_factory: MariaDBFactory,
+    redis_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    """Scenario 16 at the other end of a run: the row is locked after the claim, while its
+    handler runs. Its outcome waits for the lock; the outcomes behind it must not (retried as
+    one batch they would wait as long as the lock is held, long enough for their leases to run
+    out and their tasks to run twice)."""
+    server = mariadb_factory(args=["--innodb-lock-wait-timeout=1"])
+    cfg = make_settings(redis_url, server.create_database("locks"), tmp_path)
+    sample_tasks.reset()
+    with Client(cfg) as c:
+        start_listener(cfg)
+        keys = c.create_many(TaskRequest("Probe.wait", (f"rec{i}",), ttl_ms=0) for i in range(6))
+        wait_until(lambda: all(sample_tasks.CALLS[k] == 1 for k in keys), 10)
+        locked, others = keys[0], keys[1:]
+        locker = server.admin_connection(database="locks", autocommit=False)
+        watcher = server.admin_connection()
+        try:
+            with locker.cursor() as cur:
+                cur.execute(
+                    "SELECT id FROM time_limit_task WHERE task_key = %s FOR UPDATE", (locked,)
+                )
+            sample_tasks.gate("rec0").set()
+            # The recorder is waiting on the lock with the locked outcome: the rest finish now.
+            wait_until(lambda: lock_waits(watcher) == 1, 10, interval_s=0.2)
+            for i in range(1, len(keys)):
+                sample_tasks.gate(f"rec{i}").set()
+            wait_until(
+                lambda: all(r.status is TaskStatus.DONE for r in c.store.get_many(others).values()),
+                10,
+                message="the outcomes behind the locked row waited for it",
+            )
+            row = c.store.get(locked)
+            assert row is not None and row.status is TaskStatus.RUNNING
+        finally:
+            locker.rollback()
+            locker.close()
+            watcher.close()
         verdict.check(c, keys, since_ms=c.clock.now_ms())
 
 

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,7 +24,7 @@ from tests.conftest import MariaDBFactory, RedisFactory
 from tests.faults.spawn import ROOT, Spawned, listener_env, signal_group
 from tests.ke import Running, make_settings, wait_status
 from tests.reliability import Verdict
-from tests.servers import MariaDBServer, wait_until
+from tests.servers import MariaDBServer, lock_waits, wait_until
 
 pytestmark = pytest.mark.faults
 StartListener = Callable[[Settings], Running]
@@ -269,7 +268,7 @@ def test_a_create_chosen_as_a_deadlock_victim_is_run_again(
             cur.execute("SELECT id FROM time_limit_task WHERE id = 1 LOCK IN SHARE MODE")
             thread.start()
             # InnoDB refreshes this view only when nobody read it for 100 ms: poll slowly.
-            wait_until(lambda: _lock_waits(watcher) == 1, 10, interval_s=0.2)
+            wait_until(lambda: lock_waits(watcher) == 1, 10, interval_s=0.2)
             cur.execute("UPDATE time_limit_task SET attempts = 2 WHERE id = 1")
             cur.execute("COMMIT")  # the create's second run can go on
         thread.join(30)
@@ -280,15 +279,6 @@ def test_a_create_chosen_as_a_deadlock_victim_is_run_again(
     assert not errors, errors
     row = store.get(task.key)
     assert row is not None and row.due_at_ms == 5_000
-
-
-def _lock_waits(conn: Any) -> int:
-    with conn.cursor() as cur:
-        cur.execute(
-            "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = %s",
-            ("LOCK WAIT",),
-        )
-        return int(cur.fetchone()[0])
 
 
 def test_three_listeners_share_a_load_without_double_runs(

@@ -45,7 +45,7 @@ def test_subscriber_connection_killed_while_tasks_are_due(
         while (now_ms := c.clock.now_ms()) < last_due_ms + 250:
             kills += int(c.redis.client_kill_filter(_type="pubsub"))
             wait_until(lambda n=now_ms: c.clock.now_ms() >= n + 250, 1, interval_s=0.005)
-        assert kills >= 8
+        assert kills >= 3  # a kill finds no subscriber while the listener reconnects
         verdict.check(c, keys, since_ms=c.clock.now_ms())
         assert running.listener.gaps >= 1
     assert server.running
