@@ -577,6 +577,8 @@ class Dispatcher:
                     with self._cond:
                         self._recording -= len(written)
                         self._cond.notify_all()
+                    if not batch:  # the lock went meanwhile: everything is written
+                        continue
                 with self._cond:
                     self._outcomes[:0] = batch
                     self._recording -= len(batch)
