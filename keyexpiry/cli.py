@@ -137,6 +137,15 @@ def _key(client: Any, class_name: str, method: str, args: list[str]) -> str:
         return format_key(class_name, method, args, prefix=client.settings.key_prefix)
 
 
+def _local_time(ms: int, *, sep: str = " ", zone: bool = True) -> str:
+    """`ms` as local ISO time to the millisecond; any stored value prints, even out of range."""
+    try:
+        stamp = dt.datetime.fromtimestamp(ms / 1000).astimezone()
+        return (stamp if zone else stamp.replace(tzinfo=None)).isoformat(sep, "milliseconds")
+    except (ValueError, OverflowError, OSError):
+        return f"{ms} ms (not a date)"
+
+
 @app.command()
 @_errors
 def listen(
@@ -179,7 +188,10 @@ def create(
         except ValueError:
             raise ConfigError(f"--at {at!r} is not an ISO 8601 time") from None
         if when.tzinfo is None:
-            when = when.astimezone()
+            try:
+                when = when.astimezone()
+            except (OverflowError, ValueError, OSError):
+                raise ConfigError(f"--at {at!r} is out of range") from None
     if sum(x is not None for x in (ttl, ttl_ms, when)) != 1:
         raise ConfigError("give exactly one of --ttl, --ttl-ms or --at")
     with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
@@ -235,8 +247,7 @@ def show(
         return
     for name, value in data.items():
         if name.endswith("_at") and value is not None:
-            stamp = dt.datetime.fromtimestamp(value).astimezone()
-            value = stamp.isoformat(timespec="milliseconds")
+            value = _local_time(round(value * 1000), sep="T")
         typer.echo(f"{name:>12}: {value}")
 
 
@@ -266,11 +277,8 @@ def list_tasks(
         if as_json:
             typer.echo(json.dumps(row.to_json()))
         else:
-            due = dt.datetime.fromtimestamp(row.due_at_ms / 1000).astimezone()
-            typer.echo(
-                f"{row.status:<9} {row.attempts:>3}  {due:%Y-%m-%d %H:%M:%S.%f}"[:-3]
-                + f"  {row.key}"
-            )
+            due = _local_time(row.due_at_ms, zone=False)
+            typer.echo(f"{row.status:<9} {row.attempts:>3}  {due:<23}  {row.key}")
 
 
 @app.command()

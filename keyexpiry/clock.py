@@ -20,6 +20,9 @@ def monotonic_s() -> float:
     return time.monotonic()
 
 
+_RESYNC_RETRY_S = 1.0
+
+
 class Clock(Protocol):
     """Anything that tells the shared time in epoch milliseconds."""
 
@@ -37,6 +40,7 @@ class RedisClock:
         self._lock = threading.Lock()
         self._base_ms = 0.0
         self._base_mono_s = -1e18
+        self._retry_mono_s = -1e18
 
     def sync(self) -> None:
         """Read Redis `TIME`, placing it at the midpoint of the round trip."""
@@ -48,10 +52,19 @@ class RedisClock:
             self._base_mono_s = (before + after) / 2.0
 
     def now_ms(self) -> int:
-        """Epoch milliseconds on Redis's clock."""
+        """Epoch milliseconds on Redis's clock.
+
+        Once synced, a resync that fails (Redis away) keeps extrapolating and tries again a
+        second later: a worker asking the time must not fail because Redis is restarting.
+        """
         mono = time.monotonic()
-        if mono - self._base_mono_s > self._resync_s:
-            self.sync()
+        if mono - self._base_mono_s > self._resync_s and mono >= self._retry_mono_s:
+            try:
+                self.sync()
+            except (redis.RedisError, OSError):
+                if self._base_mono_s < 0:
+                    raise  # never synced: there is no time to extrapolate from
+                self._retry_mono_s = mono + _RESYNC_RETRY_S
             mono = time.monotonic()
         return int(self._base_ms + (mono - self._base_mono_s) * 1000.0)
 

@@ -14,17 +14,25 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import redis
 from loguru import logger
 
+from keyexpiry import limits, retries, threads
 from keyexpiry.arming import arm_keys
 from keyexpiry.clock import Clock, monotonic_s
 from keyexpiry.context import TaskContext, set_current
-from keyexpiry.errors import DoNotRetry, KeyExpiryError, Retry, StoreError, UnknownTaskError
+from keyexpiry.errors import (
+    ArgumentError,
+    DoNotRetry,
+    KeyExpiryError,
+    Retry,
+    StoreError,
+    UnknownTaskError,
+)
 from keyexpiry.keys import excerpt, parse_key
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.settings import Settings
@@ -110,6 +118,8 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
         self._warned_unknown: set[str] = set()
         self._run_s_avg: float | None = None  # moving average of handler run time
+        self.thread_errors = threads.ThreadErrors()
+        """Unexpected exceptions the dispatcher's threads survived."""
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -239,6 +249,7 @@ class Dispatcher:
                         backoff_s,
                     )
                 else:
+                    self.thread_errors.add("claimer")
                     logger.exception(
                         "claiming {} task(s) failed; retrying in {:.1f} s", len(batch), backoff_s
                     )
@@ -351,17 +362,31 @@ class Dispatcher:
             return self.registry.resolve(parsed.class_name, parsed.method)
         except UnknownTaskError as exc:
             self.stats.ignored += 1
-            # Once per unknown class (or method): not once per key of another app's `user@bob`.
-            if str(exc) not in self._warned_unknown:
-                self._warned_unknown.add(str(exc))
-                logger.bind(key=key, attempt=0).warning(
-                    "{}; left pending for a listener that has it", exc
-                )
+            self._note_unknown(key, exc)
             return None
         except KeyExpiryError as exc:
             self.stats.ignored += 1
             logger.bind(key=excerpt(key), attempt=0).warning("ignored key: {}", exc)
             return None
+
+    def _note_unknown(self, key: str, exc: UnknownTaskError) -> None:
+        """Say once per unknown class (or method), not once per key of another app's
+        `user@bob`, what becomes of such a key: a real task waits for a listener that has its
+        class; a key with no ledger row was never a task."""
+        if str(exc) in self._warned_unknown:
+            return
+        self._warned_unknown.add(str(exc))
+        log = logger.bind(key=key, attempt=0)
+        try:
+            row = self.store.get(key)
+        except StoreError:
+            row = None
+        if row is None:
+            log.info("{}; no ledger row either: ignored", exc)
+        elif row.status is TaskStatus.PENDING:
+            log.warning("{}; left pending for a listener that has it", exc)
+        else:
+            log.info("{}; the task is {}: nothing to do", exc, row.status)
 
     def _check_unclaimed(self, keys: list[str]) -> None:
         """Explain keys that were not claimed, and re-arm a pending task whose key is gone."""
@@ -393,7 +418,7 @@ class Dispatcher:
             )
 
     def _timeout_s(self, spec: TaskSpec) -> float:
-        return spec.options.timeout_s or self.settings.handler_timeout_s
+        return retries.timeout_s(spec.options, self.settings)
 
     # --- workers ------------------------------------------------------------------------------
     def _worker_loop(self) -> None:
@@ -401,8 +426,35 @@ class Dispatcher:
             run = self._runq.get()
             if run is None:
                 return
-            if self._execute(run):
-                return  # timed out: the watchdog started a replacement; this thread retires
+            try:
+                if self._execute(run):
+                    return  # timed out: the watchdog started a replacement; this thread retires
+            except Exception as exc:
+                self._run_broke(run, exc)
+
+    def _run_broke(self, run: _Run, exc: Exception) -> None:
+        """Something other than the handler raised around a run (a bug, or a value that slipped
+        past every check): count it, record the run as failed if that still works, else leave
+        it to its lease. The worker lives on either way."""
+        self.thread_errors.add("worker")
+        log = logger.bind(key=run.row.key, attempt=run.row.attempts)
+        log.opt(exception=exc).error("unexpected error around this run; the worker carries on")
+        with self._cond:
+            if run.abandoned:
+                return  # the watchdog already failed it
+            if run.started_s is not None and run.row.id not in self._running:
+                return  # its outcome is already queued: the error came after it
+            self._running.pop(run.row.id, None)
+            self._inflight -= 1
+            self._cond.notify_all()
+        try:
+            outcome = self._failure(run, f"{type(exc).__name__} around the handler: {exc}")
+        except Exception:
+            log.error("could not record the failure; the run is retried when its lease ends")
+            return
+        with self._cond:
+            self._outcomes.append(outcome)
+            self._cond.notify_all()
 
     def _execute(self, run: _Run) -> bool:
         row = run.row
@@ -418,6 +470,8 @@ class Dispatcher:
             self._running[row.id] = run
         outcome: Outcome
         try:
+            if row.problem is not None:
+                raise ArgumentError(f"ledger row {row.id}: {row.problem}")
             args = run.spec.decode_args(row.args)
         except KeyExpiryError as exc:
             outcome = self._outcome(run, TaskStatus.DEAD, f"not runnable: {exc}")
@@ -503,17 +557,20 @@ class Dispatcher:
 
     def _failure(self, run: _Run, error: str, *, delay_s: float | None = None) -> Outcome:
         row = run.row
-        schedule = (
-            row.retry_schedule_s
-            or run.spec.options.retry_schedule_s
-            or self.settings.retry_schedule_s
-        )
+        schedule = retries.schedule_s(row.retry_schedule_s, run.spec.options, self.settings)
         retries_used = row.attempts - 1
         log = logger.bind(key=row.key, attempt=row.attempts)
         if retries_used >= len(schedule):
             log.error("out of attempts ({}); task is dead", row.attempts)
             return self._outcome(run, TaskStatus.DEAD, error)
-        delay = schedule[retries_used] if delay_s is None else delay_s
+        delay = schedule[retries_used]
+        if delay_s is not None:
+            try:
+                delay = limits.number(
+                    delay_s, "Retry(delay_s)", low=0, high=limits.MAX_DELAY_S, error=ArgumentError
+                )
+            except ArgumentError as exc:
+                log.warning("{}; retrying on the schedule instead ({:g} s)", exc, delay)
         due = self.clock.now_ms() + int(delay * 1000)
         log.info("will retry in {:g} s", delay)
         return Outcome(row.id, row.key, run.token, TaskStatus.PENDING, None, due, error)
@@ -521,35 +578,48 @@ class Dispatcher:
     # --- watchdog -----------------------------------------------------------------------------
     def _watchdog_loop(self) -> None:
         while not self._stopped.is_set():
-            now = monotonic_s()
-            late: list[_Run] = []
-            next_deadline = now + 0.5
-            with self._cond:
-                for run in self._running.values():
-                    assert run.started_s is not None
-                    deadline = run.started_s + run.timeout_s
-                    if deadline <= now:
-                        late.append(run)
-                    else:
-                        next_deadline = min(next_deadline, deadline)
-                for run in late:
-                    run.abandoned = True
-                    self._running.pop(run.row.id, None)
-                    self._inflight -= 1
-                    self.stats.timed_out += 1
-                    self._outcomes.append(
-                        self._failure(run, f"TimeoutError: handler exceeded {run.timeout_s:g} s")
-                    )
-                if late:
-                    self._cond.notify_all()
-            for run in late:
-                logger.bind(key=run.row.key, attempt=run.row.attempts).error(
-                    "handler exceeded its timeout of {:g} s; recorded as failed "
-                    "(its thread is abandoned)",
-                    run.timeout_s,
-                )
-                self._spawn("worker", self._worker_loop)
+            next_deadline = self._fail_late_runs(monotonic_s())
             self._stopped.wait(max(0.005, min(next_deadline - monotonic_s(), 0.5)))
+
+    def _fail_late_runs(self, now: float) -> float:
+        """Record runs past their timeout as failed; return when the next one is due to end."""
+        late: list[_Run] = []
+        next_deadline = now + 0.5
+        with self._cond:
+            for run in self._running.values():
+                assert run.started_s is not None
+                deadline = run.started_s + run.timeout_s
+                if deadline <= now:
+                    late.append(run)
+                else:
+                    next_deadline = min(next_deadline, deadline)
+            for run in late:
+                run.abandoned = True
+                self._running.pop(run.row.id, None)
+                self._inflight -= 1
+                self.stats.timed_out += 1
+            if late:
+                self._cond.notify_all()
+        for run in late:
+            log = logger.bind(key=run.row.key, attempt=run.row.attempts)
+            log.error(
+                "handler exceeded its timeout of {:g} s; recorded as failed "
+                "(its thread is abandoned)",
+                run.timeout_s,
+            )
+            self._spawn("worker", self._worker_loop)
+            try:
+                outcome = self._failure(run, f"TimeoutError: handler exceeded {run.timeout_s:g} s")
+            except Exception:
+                self.thread_errors.add("watchdog")
+                log.opt(exception=True).error(
+                    "could not record the timeout; the run is retried when its lease ends"
+                )
+                continue
+            with self._cond:
+                self._outcomes.append(outcome)
+                self._cond.notify_all()
+        return next_deadline
 
     # --- recorder -----------------------------------------------------------------------------
     def _record_loop(self) -> None:
@@ -569,7 +639,19 @@ class Dispatcher:
                 return
             try:
                 self.store.record(batch, self.clock.now_ms())
-            except (StoreError, redis.RedisError) as exc:
+            except Exception as exc:
+                if not isinstance(exc, StoreError | redis.RedisError):
+                    # Not an outage: some outcome the database refuses. Write the rest one by one
+                    # and leave that run to its lease, rather than retry the batch forever.
+                    self.thread_errors.add("recorder")
+                    logger.opt(exception=exc).error(
+                        "recording {} outcome(s) failed unexpectedly; recording them one by one",
+                        len(batch),
+                    )
+                    batch = self._record_one_by_one(batch)
+                    if not batch:
+                        continue
+                    exc = StoreError(f"{len(batch)} outcome(s) not recorded")
                 self.stats.store_errors += 1
                 if isinstance(exc, StoreError) and exc.lock_timeout and len(batch) > 1:
                     written, batch = self._record_around_locks(batch)
@@ -603,6 +685,29 @@ class Dispatcher:
             with self._cond:
                 self._recording -= len(batch)
                 self._cond.notify_all()
+
+    def _record_one_by_one(self, batch: list[Outcome]) -> list[Outcome]:
+        """Record each outcome alone; drop (log, count) those that raise something other than a
+        database outage, and return those still to write. Dropped runs stay `running` until
+        their lease ends, then run again: at least once, never lost."""
+        left: list[Outcome] = []
+        written: list[Outcome] = []
+        for outcome in batch:
+            try:
+                self.store.record([outcome], self.clock.now_ms())
+                written.append(outcome)
+            except (StoreError, redis.RedisError):
+                left.append(outcome)
+            except Exception:
+                self.thread_errors.add("recorder")
+                logger.bind(key=outcome.key, attempt=0).opt(exception=True).error(
+                    "could not record this outcome; the run is retried when its lease ends"
+                )
+        self._after_record(written)
+        with self._cond:
+            self._recording -= len(batch) - len(left)
+            self._cond.notify_all()
+        return left
 
     def _record_around_locks(self, batch: list[Outcome]) -> tuple[list[Outcome], list[Outcome]]:
         """Another transaction held one of these rows past the lock wait timeout: record the
@@ -676,10 +781,10 @@ class Dispatcher:
             self._inflight -= len(runs)
         logger.info("released {} claimed task(s) that had not started", len(runs))
 
-    def _spawn(self, name: str, target: object) -> None:
-        thread = threading.Thread(target=target, name=f"keyexpiry-{name}", daemon=True)  # type: ignore[arg-type]
-        thread.start()
-        self._threads.append(thread)
+    def _spawn(self, name: str, target: Callable[[], object]) -> None:
+        self._threads.append(
+            threads.spawn(name, target, stopped=self._stopped, errors=self.thread_errors)
+        )
 
 
 def _log_locked(key: str, exc: StoreError) -> None:

@@ -24,6 +24,7 @@ from keyexpiry.errors import StoreError
 from keyexpiry.keys import driver_lock_key
 from keyexpiry.settings import Settings
 from keyexpiry.store import Store
+from keyexpiry.threads import ThreadErrors, spawn
 
 # A key still alive this close to its due time is looked up again at its real expiry time;
 # beyond it the task was rescheduled (the wake channel or the next read brings the new time).
@@ -64,14 +65,15 @@ class ExpiryDriver:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._errors = ThreadErrors()
         self._renew = self.redis.register_script(_RENEW)
         self._lock_key = driver_lock_key(settings.key_prefix)
         self._lease_checked_ms = 0
 
-    def start(self) -> None:
-        """Run the driver on its own thread."""
-        self._thread = threading.Thread(target=self._loop, name="keyexpiry-driver", daemon=True)
-        self._thread.start()
+    def start(self, errors: ThreadErrors | None = None) -> None:
+        """Run the driver on its own thread; unexpected exceptions are counted in `errors`."""
+        self._errors = errors or ThreadErrors()
+        self._thread = spawn("driver", self._loop, stopped=self._stop, errors=self._errors)
 
     def stop(self) -> None:
         """Stop and give up the lock so another listener takes over at once."""
@@ -119,6 +121,7 @@ class ExpiryDriver:
                 timeout_s = backoff_s
                 backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
             except Exception:
+                self._errors.add("driver")
                 logger.exception("expiry driver failed; retrying")
                 timeout_s = backoff_s
             self._wake.wait(timeout_s)

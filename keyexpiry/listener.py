@@ -48,6 +48,7 @@ from keyexpiry.reconcile import Reconciler
 from keyexpiry.registry import Registry, default_registry
 from keyexpiry.settings import Settings, mask_url
 from keyexpiry.store import Store
+from keyexpiry.threads import ThreadErrors, spawn
 
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 REPLICA_PROBLEM = (
@@ -231,6 +232,8 @@ class Listener:
         self.evicted = 0
         """Task keys Redis evicted (maxmemory) that were handed back to the ledger."""
         self.canaries_seen = 0
+        self._eviction_possible = True
+        self._eviction_warned = False
         self._reconnect_wanted = False
         self._last_lease_check_s = 0.0
         self._last_canary_s = 0.0
@@ -248,13 +251,13 @@ class Listener:
             len(self.registry.specs()),
             self.settings.concurrency,
         )
+        self._ensure_schema()
         self.dispatcher.start()
         if self.settings.driver:
-            self.driver.start()
-        reconcile_thread = threading.Thread(
-            target=self._reconcile_loop, name="keyexpiry-reconcile", daemon=True
+            self.driver.start(self.thread_errors)
+        reconcile_thread = spawn(
+            "reconcile", self._reconcile_loop, stopped=self._stop, errors=self.thread_errors
         )
-        reconcile_thread.start()
         try:
             self._serve()
         finally:
@@ -274,6 +277,20 @@ class Listener:
             restore()
             logger.info("listener stopped")
 
+    def _ensure_schema(self) -> None:
+        """Create the ledger table before any thread queries it (a fresh state dir has none);
+        a database that is down now is retried by the reconcile loop."""
+        try:
+            self.store.create_schema()
+            self._schema_ready = True
+        except StoreError as exc:
+            logger.error("ledger not reachable at start-up ({}); retrying", exc)
+
+    @property
+    def thread_errors(self) -> ThreadErrors:
+        """Unexpected exceptions the listener's threads survived (each logged with its key)."""
+        return self.dispatcher.thread_errors
+
     @property
     def ignored(self) -> int:
         """Expired keys that claimed to be tasks but were not runnable ones (logged once each)."""
@@ -290,6 +307,7 @@ class Listener:
             "gaps": self.gaps,
             "evicted": self.evicted,
             "done": self.dispatcher.stats.done,
+            "thread_errors": self.thread_errors.count,
         }
 
     def stop(self) -> None:
@@ -390,7 +408,10 @@ class Listener:
         except (UnicodeDecodeError, KeyFormatError):
             return  # the application's own keys are evicted too: not ours, not worth a line
         self.evicted += 1
-        if self.evicted == 1:
+        # Under noeviction Redis evicts nothing: such a message was published by someone else.
+        # The claimer still checks the key (harmless), but no maxmemory alarm is raised.
+        if self._eviction_possible and not self._eviction_warned:
+            self._eviction_warned = True
             logger.warning(
                 "Redis is evicting task keys (maxmemory): each is re-armed or run from the "
                 "ledger; set maxmemory-policy noeviction"
@@ -467,6 +488,7 @@ class Listener:
                 backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
             except Exception:
                 # A bug or an unexpected reply must not end the listener: log it, start over.
+                self.thread_errors.add("subscriber")
                 logger.exception("unexpected error in the listener loop; reconnecting")
                 self._pause(backoff_s)
                 backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
@@ -481,6 +503,7 @@ class Listener:
         if warning:
             logger.warning(warning)
         policy = config_value(self.redis, "maxmemory-policy")
+        self._eviction_possible = policy != "noeviction"
         if policy and policy != "noeviction":
             flags = config_value(self.redis, "notify-keyspace-events") or ""
             logger.warning(
@@ -658,7 +681,10 @@ class Listener:
                 except redis.ReadOnlyError as exc:
                     self._read_only(exc)
                 except Exception as exc:
-                    if self.subscribed.is_set():
+                    if not isinstance(exc, StoreError | redis.RedisError | OSError):
+                        self.thread_errors.add("reconcile")
+                        logger.opt(exception=exc).error("self-check failed unexpectedly")
+                    elif self.subscribed.is_set():
                         logger.warning("self-check failed: {}", exc)
                     else:  # the subscriber's own line already says Redis is away
                         logger.debug("self-check failed: {}", exc)
@@ -668,7 +694,7 @@ class Listener:
             self._reconcile_wanted.clear()
             try:
                 if not self._schema_ready:
-                    # Here, not in run(): a database that is down at start-up is retried.
+                    # A database that was down at start-up: retried here until it answers.
                     self.store.create_schema()
                     self._schema_ready = True
                 report = self.reconciler.run()
@@ -684,6 +710,7 @@ class Listener:
                 if isinstance(exc, StoreError | redis.RedisError | OSError):
                     logger.error("reconciliation failed ({}); retrying in {:.1f} s", exc, backoff_s)
                 else:
+                    self.thread_errors.add("reconcile")
                     logger.exception("reconciliation failed; retrying in {:.1f} s", backoff_s)
                 self._stop.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)

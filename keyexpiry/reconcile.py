@@ -12,8 +12,11 @@ from dataclasses import dataclass
 import redis
 from loguru import logger
 
+from keyexpiry import retries
 from keyexpiry.arming import arm_keys
 from keyexpiry.clock import Clock
+from keyexpiry.errors import UnknownTaskError
+from keyexpiry.keys import excerpt, task_class_of
 from keyexpiry.registry import Registry
 from keyexpiry.settings import Settings
 from keyexpiry.store import Store, TaskRow, TaskStatus
@@ -84,15 +87,13 @@ class Reconciler:
         return report
 
     def _max_attempts(self, row: TaskRow) -> int:
-        schedule = row.retry_schedule_s
-        if schedule is None and self.registry is not None:
+        options = None
+        if self.registry is not None:
             try:
-                schedule = self.registry.resolve(
-                    row.class_name, row.method
-                ).options.retry_schedule_s
-            except Exception:
-                schedule = None
-        return 1 + len(schedule if schedule is not None else self.settings.retry_schedule_s)
+                options = self.registry.resolve(row.class_name, row.method).options
+            except UnknownTaskError:
+                pass  # not registered here: the row's own schedule, else the settings'
+        return retries.max_attempts(row.retry_schedule_s, options, self.settings)
 
     def repair_stuck(self, *, grace_ms: int, events_arriving: bool, limit: int = 1000) -> int:
         """Pending rows due more than `grace_ms` ago: their key was deleted, renamed, persisted,
@@ -105,16 +106,44 @@ class Reconciler:
         rows = self.store.overdue(now_ms=now_ms - grace_ms, limit=limit)
         if not rows:
             return 0
+        keys = [k for k, _ in rows]
         if self.submit is not None and not events_arriving:
-            self.submit([k for k, _ in rows])
+            self.submit(keys)
             action = "running them from the ledger (expired events are not arriving)"
         else:
             arm_keys(self.redis, rows, now_ms, self.settings)
-            action = "re-armed"
+            action = f"re-armed; {self._overdue_cause(keys)}"
+        shown = ", ".join(excerpt(k, 60) for k in keys[:3])
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
         logger.warning(
-            "{} pending task(s) overdue by more than {} ms: {}", len(rows), grace_ms, action
+            "{} pending task(s) overdue by more than {} ms ({}{}): {}",
+            len(rows),
+            grace_ms,
+            shown,
+            more,
+            action,
         )
         return len(rows)
+
+    def _overdue_cause(self, keys: list[str]) -> str:
+        """Why tasks stay overdue while events arrive: no listener has their class, or their
+        key (or its event) was lost."""
+        if self.registry is not None:
+            prefix = self.settings.key_prefix.encode()
+            unknown = sorted(
+                {
+                    name
+                    for k in keys
+                    if (name := task_class_of(k.encode(), prefix)) is not None
+                    and not self.registry.has_class(name)
+                }
+            )
+            if unknown:
+                return (
+                    f"this listener does not run class {', '.join(unknown[:5])}: is a listener "
+                    "with --tasks for it running?"
+                )
+        return "their key or its expired event was lost (deleted, evicted, flushed, or a restart)"
 
     def requeue_expired_leases(self) -> ReconcileReport:
         """Only the lease part of a pass: cheap (one indexed query), run every few seconds."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import inspect
+import math
 import re
 import typing
 import uuid
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar, overload
 
+from keyexpiry import limits
 from keyexpiry.errors import ArgumentError, ConfigError, UnknownTaskError
 from keyexpiry.keys import check_name, clip, shorten
 
@@ -38,18 +40,50 @@ class ExposeOptions:
 
 @dataclass(frozen=True, slots=True)
 class Converter:
-    """Turns one argument between its Python type and its string form inside a key."""
+    """Turns one argument between its Python type and its one canonical string inside a key.
+
+    Equal values give equal strings (`5`, `5.0` and `"5"` for an int; `19.9` and `19.90` for a
+    Decimal), so `cancel(m, 5.0)` finds the task `create(m, 5)` made.
+    """
 
     type_name: str
     parse: Callable[[str], Any]
+    """Key or CLI text to value; ValueError when it is not one."""
+    coerce: Callable[[Any], Any]
+    """A Python value to the annotated type; TypeError/ValueError when it cannot be one."""
     encode: Callable[[Any], str]
-    accepts: Callable[[Any], bool]
+    """A value of the annotated type to its canonical text."""
+
+
+_MAX_DIGITS = 600
+"""More digits than any key can hold (keys are at most 512 bytes): refused before formatting."""
+
+
+def _kind(value: Any, *types: type) -> Any:
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        huge = isinstance(value, int) and value.bit_length() > 256  # repr may refuse it
+        shown = "" if huge else f" {shorten(repr(value), 80)}"
+        raise TypeError(f"got {type(value).__name__}{shown}")
+    return value
 
 
 def _parse_int(text: str) -> int:
-    if not _INT.match(text):
-        raise ValueError(f"{text!r} is not an integer")
+    if not _INT.match(text) or len(text) > _MAX_DIGITS:
+        raise ValueError(f"{text!r} is not an integer (or has too many digits)")
     return int(text)
+
+
+def _coerce_int(value: Any) -> int:
+    _kind(value, int, float, Decimal)
+    if isinstance(value, int) and value.bit_length() > _MAX_DIGITS * 3:
+        raise ValueError("the integer has too many digits for a task key")
+    if isinstance(value, float | Decimal):
+        if not value.is_finite() if isinstance(value, Decimal) else not math.isfinite(value):
+            raise ValueError(f"{value!r} is not a finite number")
+        if value != int(value):
+            raise ValueError(f"{value!r} is not a whole number")
+        value = int(value)
+    return int(value)
 
 
 def _parse_bool(text: str) -> bool:
@@ -61,47 +95,66 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not a boolean (true/false)")
 
 
+def _coerce_decimal(value: Any) -> Decimal:
+    _kind(value, Decimal, int)
+    number = Decimal(_coerce_int(value)) if isinstance(value, int) else value
+    if not number.is_finite():
+        raise ValueError(f"{value!r} is not a finite decimal")
+    sign, digits, exponent = number.as_tuple()
+    assert isinstance(exponent, int)
+    if len(digits) + abs(exponent) > _MAX_DIGITS:
+        raise ValueError("the decimal has too many digits for a task key")
+    # Trailing zeros carry no value (19.90 == 19.9) and -0 == 0: one value, one key.
+    kept = list(digits)
+    while exponent < 0 and len(kept) > 1 and kept[-1] == 0:
+        kept.pop()
+        exponent += 1
+    if not any(kept):
+        return Decimal(0)
+    return Decimal((sign, tuple(kept), exponent))
+
+
 def _parse_decimal(text: str) -> Decimal:
     try:
         value = Decimal(text)
     except InvalidOperation:
         raise ValueError(f"{text!r} is not a decimal number") from None
-    if not value.is_finite():
-        raise ValueError(f"{text!r} is not a finite decimal")
-    return value
+    return _coerce_decimal(value)
+
+
+def _coerce_float(value: Any) -> float:
+    _kind(value, float, int)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError("the integer is too large for a float") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number")
+    if isinstance(value, int) and number != value:
+        raise ValueError(f"{value} has no exact float value")
+    return number + 0.0  # -0.0 becomes 0.0: equal values, one key
 
 
 def _parse_float(text: str) -> float:
-    value = float(text)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text!r} is not a finite number")
-    return value
+    return _coerce_float(float(text))
+
+
+def _coerce_date(value: Any) -> dt.date:
+    if isinstance(value, dt.datetime):
+        raise TypeError("a datetime is not a date (pass .date())")
+    return _kind(value, dt.date)  # type: ignore[no-any-return]
 
 
 CONVERTERS: dict[Any, Converter] = {
-    str: Converter("str", str, str, lambda v: isinstance(v, str)),
-    int: Converter(
-        "int", _parse_int, str, lambda v: isinstance(v, int) and not isinstance(v, bool)
-    ),
-    float: Converter(
-        "float",
-        _parse_float,
-        repr,
-        lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-    ),
+    str: Converter("str", str, lambda v: _kind(v, str), str),
+    int: Converter("int", _parse_int, _coerce_int, str),
+    float: Converter("float", _parse_float, _coerce_float, repr),
     bool: Converter(
-        "bool", _parse_bool, lambda v: "true" if v else "false", lambda v: isinstance(v, bool)
+        "bool", _parse_bool, lambda v: _kind(v, bool), lambda v: "true" if v else "false"
     ),
-    Decimal: Converter(
-        "Decimal", _parse_decimal, str, lambda v: isinstance(v, Decimal | int) and v is not True
-    ),
-    uuid.UUID: Converter("UUID", uuid.UUID, str, lambda v: isinstance(v, uuid.UUID)),
-    dt.date: Converter(
-        "date",
-        dt.date.fromisoformat,
-        lambda v: v.isoformat(),
-        lambda v: isinstance(v, dt.date) and not isinstance(v, dt.datetime),
-    ),
+    Decimal: Converter("Decimal", _parse_decimal, _coerce_decimal, lambda v: format(v, "f")),
+    uuid.UUID: Converter("UUID", uuid.UUID, lambda v: _kind(v, uuid.UUID), str),
+    dt.date: Converter("date", dt.date.fromisoformat, _coerce_date, lambda v: v.isoformat()),
 }
 """Argument types a task method may annotate; anything else is refused at registration."""
 
@@ -126,9 +179,10 @@ class TaskSpec:
     options: ExposeOptions
 
     def encode_args(self, args: Sequence[object]) -> tuple[str, ...]:
-        """Check Python values against the signature and return their key strings.
+        """Check Python values against the signature and return their canonical key strings.
 
-        Strings are accepted for any type and parsed (that is how the CLI passes them).
+        Strings are accepted for any type and parsed (that is how the CLI passes them); other
+        values are converted to the annotated type when that loses nothing (`5.0` for an int).
         """
         self._check_count(len(args))
         out: list[str] = []
@@ -136,12 +190,34 @@ class TaskSpec:
             conv = param.converter
             if isinstance(value, str) and conv.type_name != "str":
                 value = self._parse_one(param, value)
-            elif not conv.accepts(value):
-                raise ArgumentError(
-                    f"{self.label}: argument {param.name!r} must be {conv.type_name}, "
-                    f"got {type(value).__name__} {shorten(repr(value), 80)}"
-                )
+            else:
+                try:
+                    value = conv.coerce(value)
+                except TypeError as exc:
+                    raise ArgumentError(
+                        f"{self.label}: argument {param.name!r} must be {conv.type_name}, "
+                        f"{shorten(str(exc), 120)}"
+                    ) from None
+                except ValueError as exc:
+                    raise ArgumentError(
+                        f"{self.label}: argument {param.name!r} must be {conv.type_name}: "
+                        f"{shorten(str(exc), 120)}"
+                    ) from None
             out.append(conv.encode(value))
+        return tuple(out)
+
+    def legacy_args(self, args: Sequence[object]) -> tuple[str, ...]:
+        """The key strings keyexpiry 0.1 made of `args` before keys became canonical (a Decimal
+        as written, `19.90`; an int given for a float, `5`), so `cancel` still finds a task
+        created before the upgrade. Only called after `encode_args` accepted `args`."""
+        out: list[str] = []
+        for param, value, canonical in zip(self.params, args, self.encode_args(args), strict=False):
+            if isinstance(value, Decimal | int) and not isinstance(value, bool):
+                out.append(str(value))
+            elif isinstance(value, str) and param.converter.type_name == "Decimal":
+                out.append(str(Decimal(value)))
+            else:
+                out.append(canonical)
         return tuple(out)
 
     def decode_args(self, args: Sequence[str]) -> tuple[Any, ...]:
@@ -197,9 +273,19 @@ def exposed(
     `timeout_s`: a run longer than this counts as a failed attempt.
     `retry_schedule_s`: delays before each retry; its length is the number of retries.
     """
+    # Checked here, at import time: a bad value must never reach the listener's threads.
     options = ExposeOptions(
-        timeout_s=timeout_s,
-        retry_schedule_s=tuple(retry_schedule_s) if retry_schedule_s is not None else None,
+        timeout_s=None
+        if timeout_s is None
+        else limits.number(
+            timeout_s,
+            "@exposed timeout_s",
+            low=0,
+            high=limits.MAX_DELAY_S,
+            error=ConfigError,
+            above_low=True,
+        ),
+        retry_schedule_s=limits.delays(retry_schedule_s, "@exposed retry_schedule_s", ConfigError),
     )
 
     def mark(f: F) -> F:

@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 
+from keyexpiry import limits
 from keyexpiry.arming import arm_keys
 from keyexpiry.clock import RedisClock
 from keyexpiry.connections import open_store, redis_client, resolve_redis_url
@@ -115,9 +116,7 @@ class Client:
             spec = self.spec(req.target)
             encoded = spec.encode_args(req.args)
             key = format_key(spec.class_name, spec.method, encoded, prefix=self.settings.key_prefix)
-            schedule = (
-                tuple(float(s) for s in req.retry_schedule_s) if req.retry_schedule_s else None
-            )
+            schedule = limits.delays(req.retry_schedule_s, "retry_schedule_s", ArgumentError)
             due = due_at_ms(now_ms, ttl_s=req.ttl_s, ttl_ms=req.ttl_ms, at=req.at)
             new[key] = NewTask(key, spec.class_name, spec.method, encoded, due, schedule)
         tasks = list(new.values())
@@ -130,7 +129,18 @@ class Client:
     # --- cancel / inspect ---------------------------------------------------------------------
     def cancel(self, target: Target, *args: object) -> bool:
         """Cancel a pending task; False if it was not pending (already running, done, or absent)."""
-        return bool(self.cancel_keys([self.key_for(target, *args)]))
+        spec = self.spec(target)
+        keys = {self.key_for(target, *args)}
+        # A task created before keys were canonical may still be pending under its old spelling.
+        keys.add(
+            format_key(
+                spec.class_name,
+                spec.method,
+                spec.legacy_args(args),
+                prefix=self.settings.key_prefix,
+            )
+        )
+        return bool(self.cancel_keys(sorted(keys)))
 
     def cancel_keys(self, keys: Sequence[str]) -> list[str]:
         """Cancel those of `keys` that are pending; return the ones cancelled."""
@@ -188,19 +198,34 @@ def due_at_ms(
     ttl_ms: int | None = None,
     at: dt.datetime | None = None,
 ) -> int:
-    """The due time in epoch ms from exactly one of a TTL in s, a TTL in ms, or a datetime."""
+    """The due time in epoch ms from exactly one of a TTL in s, a TTL in ms, or a datetime.
+
+    Due times reach at most `limits.MAX_HORIZON_S` (100 years) ahead; an `at` in the past is due
+    now, back to 1970-01-01 UTC.
+    """
     given = [x for x in (ttl_s, ttl_ms, at) if x is not None]
     if len(given) != 1:
         raise ArgumentError("give exactly one of ttl_s, ttl_ms or at")
+    horizon_ms = now_ms + limits.MAX_HORIZON_S * 1000
     if at is not None:
+        if not isinstance(at, dt.datetime):
+            raise ArgumentError(f"at must be a datetime, got {type(at).__name__}")
         if at.tzinfo is None:
             raise ArgumentError("at must be timezone-aware (e.g. datetime.now(timezone.utc))")
-        return round(at.timestamp() * 1000)
+        try:
+            due = round(at.timestamp() * 1000)
+        except (OverflowError, ValueError, OSError):
+            due = -1
+        if not limits.MIN_DUE_MS <= due <= horizon_ms:
+            raise ArgumentError(
+                f"at {at.isoformat()} is out of range: from 1970-01-01 UTC to "
+                f"{limits.MAX_HORIZON_S // (365 * limits.DAY_S)} years from now"
+            )
+        return due
     if ttl_ms is not None:
-        if ttl_ms < 0:
-            raise ArgumentError("ttl_ms must be >= 0")
+        limits.number(ttl_ms, "ttl_ms", low=0, high=horizon_ms - now_ms, error=ArgumentError)
+        if ttl_ms != int(ttl_ms):
+            raise ArgumentError(f"ttl_ms must be a whole number of milliseconds, got {ttl_ms!r}")
         return now_ms + int(ttl_ms)
-    assert ttl_s is not None
-    if ttl_s < 0:
-        raise ArgumentError("ttl_s must be >= 0")
-    return now_ms + round(ttl_s * 1000)
+    ttl = limits.number(ttl_s, "ttl_s", low=0, high=limits.MAX_HORIZON_S, error=ArgumentError)
+    return now_ms + round(ttl * 1000)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from keyexpiry import limits
 from keyexpiry.errors import ConfigError
 
 ENV_PREFIX = "KEYEXPIRY_"
@@ -112,30 +113,27 @@ class Settings:
         settings.validate()
         return settings
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         """Raise ConfigError naming the setting and what is allowed."""
-        if self.concurrency < 1 or self.concurrency > 1024:
-            raise ConfigError(f"concurrency must be 1..1024, got {self.concurrency}")
-        for name in ("handler_timeout_s", "sentinel_interval_s", "reconnect_initial_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("lease_grace_s", "shutdown_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name, (low, high) in _RANGES.items():
+            value = getattr(self, name)
+            limits.number(value, name, low=low, high=high, error=ConfigError)
+            if name in _WHOLE and not isinstance(value, int):
+                raise ConfigError(f"{name} must be a whole number, got {value!r}")
+        for name in _ABOVE_ZERO:
+            limits.number(
+                getattr(self, name), name, low=0, high=_RANGES[name][1], error=ConfigError,
+                above_low=True,
+            )  # fmt: skip
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ConfigError("reconnect_max_s must be >= reconnect_initial_s")
-        if not 0 <= self.sentinel_count <= 100:
-            raise ConfigError(f"sentinel_count must be 0..100, got {self.sentinel_count}")
-        if not 1 <= self.claim_batch <= 5000:
-            raise ConfigError(f"claim_batch must be 1..5000, got {self.claim_batch}")
-        if self.canary_interval_s <= 0 or self.lease_check_s <= 0:
-            raise ConfigError("canary_interval_s and lease_check_s must be > 0")
-        if self.driver_window_s <= 0 or self.wake_ahead_s < self.driver_window_s:
-            raise ConfigError("driver_window_s must be > 0 and at most wake_ahead_s")
-        if self.driver_max_rows < 100:
-            raise ConfigError(f"driver_max_rows must be >= 100, got {self.driver_max_rows}")
-        if any(d < 0 for d in self.retry_schedule_s):
-            raise ConfigError("retry_schedule_s delays must be >= 0 seconds")
+        if self.wake_ahead_s < self.driver_window_s:
+            raise ConfigError("driver_window_s must be at most wake_ahead_s")
+        schedule = limits.delays(self.retry_schedule_s, "retry_schedule_s", ConfigError)
+        object.__setattr__(self, "retry_schedule_s", schedule)
         if "@" in self.key_prefix or len(self.key_prefix) > 64:
             raise ConfigError("key_prefix must not contain '@' and must be at most 64 characters")
         for url, what, schemes in (
@@ -152,6 +150,33 @@ class Settings:
     def embedded_redis(self) -> bool:
         """Whether keyexpiry runs its own redis-server under `state_dir`."""
         return not self.redis_url
+
+
+_RANGES: dict[str, tuple[float, float]] = {
+    "concurrency": (1, 1024),
+    "handler_timeout_s": (0, limits.MAX_DELAY_S),
+    "lease_grace_s": (0, limits.DAY_S),
+    "sentinel_count": (0, 100),
+    "sentinel_interval_s": (0, 30 * limits.DAY_S),
+    "shutdown_timeout_s": (0, limits.DAY_S),
+    "reconnect_initial_s": (0, 3600),
+    "reconnect_max_s": (0, limits.DAY_S),
+    "health_check_interval_s": (0, 3600),
+    "claim_batch": (1, 5000),
+    "canary_interval_s": (0, limits.DAY_S),
+    "lease_check_s": (0, limits.DAY_S),
+    "stuck_after_s": (0, limits.DAY_S),
+    "driver_window_s": (0, limits.DAY_S),
+    "driver_max_rows": (100, 10_000_000),
+    "wake_ahead_s": (0, 7 * limits.DAY_S),
+}
+"""Every numeric setting and its accepted range (finite, inclusive)."""
+_WHOLE = ("concurrency", "sentinel_count", "claim_batch", "driver_max_rows")
+_ABOVE_ZERO = (
+    "handler_timeout_s", "sentinel_interval_s", "reconnect_initial_s", "reconnect_max_s",
+    "canary_interval_s", "lease_check_s", "driver_window_s",
+)  # fmt: skip
+"""Settings that must be strictly positive (a zero would spin or time out at once)."""
 
 
 def _parse_field(name: str, raw: str, type_name: object) -> object:

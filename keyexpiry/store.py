@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from loguru import logger
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -40,7 +41,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects import mysql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
+from keyexpiry import limits
 from keyexpiry.errors import StoreError
+from keyexpiry.keys import shorten
 from keyexpiry.settings import mask_url
 
 
@@ -114,6 +117,8 @@ class TaskRow:
     claimed_by: str | None
     lease_until_ms: int | None
     last_error: str | None
+    problem: str | None = None
+    """Why the row cannot run as stored (set only for rows written outside keyexpiry)."""
 
     def to_json(self) -> dict[str, Any]:
         """The `list --json` / `show --json` object: times as epoch seconds (float)."""
@@ -213,17 +218,42 @@ def make_engine(url: str) -> Engine:
         raise StoreError(f"cannot use database {mask_url(url)}: {exc}") from None
 
 
+def _args(text: str) -> tuple[tuple[str, ...], str | None]:
+    """A row's arguments, or () and why they cannot be read (a row written by hand)."""
+    try:
+        args = json.loads(text)
+    except ValueError:
+        return (), "its args column is not JSON"
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        return (), "its args column is not a JSON list of strings"
+    return tuple(args), None
+
+
+def _schedule(r: Any) -> tuple[float, ...] | None:
+    """A row's retry schedule; one written with values keyexpiry would refuse (NaN, negative,
+    years) falls back to the method's and the settings' schedule, with a warning."""
+    if r.retry_schedule_s is None:
+        return None
+    try:
+        return limits.delays(json.loads(r.retry_schedule_s), "retry_schedule_s", StoreError)
+    except (ValueError, StoreError) as exc:
+        logger.bind(key=shorten(r.task_key, 80), attempt=r.attempts).warning(
+            "ledger row {} has an unusable retry schedule ({}); using the default", r.id, exc
+        )
+        return None
+
+
 def _row(r: Any) -> TaskRow:
-    sched = json.loads(r.retry_schedule_s) if r.retry_schedule_s else None
+    args, problem = _args(r.args)
     return TaskRow(
         id=r.id,
         key=r.task_key,
         class_name=r.class_name,
         method=r.method,
-        args=tuple(json.loads(r.args)),
+        args=args,
         status=TaskStatus(r.status),
         attempts=r.attempts,
-        retry_schedule_s=tuple(sched) if sched is not None else None,
+        retry_schedule_s=_schedule(r),
         due_at_ms=r.due_at_ms,
         created_at_ms=r.created_at_ms,
         updated_at_ms=r.updated_at_ms,
@@ -232,6 +262,7 @@ def _row(r: Any) -> TaskRow:
         claimed_by=r.claimed_by,
         lease_until_ms=r.lease_until_ms,
         last_error=r.last_error,
+        problem=problem,
     )
 
 

@@ -7,7 +7,7 @@ import threading
 from collections import Counter
 from decimal import Decimal
 
-from keyexpiry import DoNotRetry, current, exposed, task
+from keyexpiry import DoNotRetry, Retry, current, exposed, task
 
 CALLS: Counter[str] = Counter()
 """How many times each key's handler was entered (in this process)."""
@@ -86,6 +86,12 @@ class Probe:
         _note(name)
         if current().attempt == 1:
             raise RuntimeError("first attempt fails")
+
+    @exposed(retry_schedule_s=[0.05])
+    def retry_nan(self, name: str) -> None:
+        _note(name)
+        if current().attempt == 1:
+            raise Retry("asks for a delay no schedule allows", delay_s=float("nan"))
 
     @exposed
     def final(self, name: str) -> None:

@@ -8,6 +8,7 @@ another program, or an attacker with access to Redis, would) with raw bytes.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import gc
 import os
 import subprocess
@@ -375,3 +376,214 @@ def test_at_percent_nul_and_emoji_arguments_reach_the_handler_exactly(
     wait_status(client, typed, TaskStatus.DONE)
     assert sample_tasks.CALL_ARGS[typed] == (7, Decimal("-0.10"), False, 1e-300, label)
     assert all(sample_tasks.CALLS[k] == 1 for k in [*keys.values(), typed])
+
+
+# --- values (refused at the door; never a dead thread) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"ttl_s": 60, "retry_schedule_s": [float("nan")]}, "retry_schedule_s[0]"),
+        ({"ttl_s": 60, "retry_schedule_s": [1e300]}, "retry_schedule_s[0]"),
+        ({"ttl_s": float("inf")}, "ttl_s"),
+        ({"ttl_s": float("nan")}, "ttl_s"),
+        ({"ttl_s": 1e12}, "ttl_s"),
+        ({"ttl_ms": 99999999999999999999}, "ttl_ms"),
+        ({"at": dt.datetime(1, 1, 1, tzinfo=dt.UTC)}, "at 0001-01-01"),
+    ],
+    ids=["nan-delay", "huge-delay", "inf-ttl", "nan-ttl", "year-33715", "huge-ttl-ms", "year-1"],
+)
+def test_bad_numbers_are_refused_at_create_naming_the_field(
+    client: Client, kwargs: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ArgumentError) as caught:
+        client.create("Probe.always_fail", "x", **kwargs)  # type: ignore[arg-type]
+    text = str(caught.value)
+    assert text.startswith(field) and "\n" not in text and len(text) < LINE_LIMIT, text
+    assert client.store.counts() == {} and client.redis.dbsize() == 0
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), Decimal("NaN"), Decimal("-Infinity"), Decimal("sNaN")]
+)
+def test_values_that_cannot_run_are_refused_at_create(client: Client, value: object) -> None:
+    args: list[object] = [7, Decimal("1.5"), True, 0.5]
+    args[1 if isinstance(value, Decimal) else 3] = value
+    with pytest.raises(ArgumentError, match="finite") as caught:
+        client.create("Probe.typed", *args, ttl_s=60)
+    assert "\n" not in str(caught.value)
+    assert client.store.counts() == {}
+
+
+def test_equal_arguments_make_one_task_that_cancel_finds(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    key = client.create("Probe.typed", 9, Decimal("19.90"), True, 5, ttl_s=60)
+    # Same values, other spellings: the same key, one row.
+    again = client.create("Probe.typed", 9.0, Decimal("19.9"), "true", 5.0, ttl_s=60)
+    assert again == key and client.store.counts() == {"pending": 1}
+    assert client.cancel("Probe.typed", "9", "19.900", "yes", "5") is True
+    # The CLI's strings are read by the annotations too.
+    running = start_listener(settings)
+    key = client.create("Probe.typed", 9, Decimal("19.90"), True, 5, ttl_ms=30)
+    wait_status(client, key, TaskStatus.DONE)
+    assert sample_tasks.CALL_ARGS[key] == (9, Decimal("19.9"), True, 5.0, "x")
+    assert running.listener.thread_errors.count == 0
+
+
+def test_a_task_created_before_keys_were_canonical_can_still_be_cancelled(
+    client: Client,
+) -> None:
+    from keyexpiry.keys import format_key
+    from keyexpiry.store import NewTask
+
+    # What keyexpiry 0.1 wrote for typed(9, Decimal("19.90"), True, 5): '19.90' and '5'.
+    old = format_key("Probe", "typed", ["9", "19.90", "true", "5"])
+    now_ms = client.clock.now_ms()
+    client.store.upsert_pending(
+        [NewTask(old, "Probe", "typed", ("9", "19.90", "true", "5"), now_ms + 60_000)], now_ms
+    )
+    assert client.cancel("Probe.typed", 9, Decimal("19.90"), True, 5) is True
+    row = client.store.get(old)
+    assert row is not None and row.status is TaskStatus.CANCELLED
+
+
+def test_an_empty_retry_schedule_means_no_retries(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    running = start_listener(settings)
+    key = client.create("Probe.always_fail", "once", ttl_ms=30, retry_schedule_s=[])
+    row = wait_status(client, key, TaskStatus.DEAD)
+    assert row.attempts == 1 and sample_tasks.CALLS[key] == 1
+    assert running.listener.thread_errors.count == 0
+
+
+def test_a_bad_retry_delay_written_into_the_ledger_kills_no_thread(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    """A row written by another program with a NaN delay: the default schedule is used, the
+    listener's threads live on and record every outcome."""
+    from sqlalchemy import update
+
+    from keyexpiry.store import time_limit_task
+
+    running = start_listener(settings)
+    key = client.create("Probe.fail_once", "nan-row", ttl_s=1)
+    with client.store.engine.begin() as conn:
+        conn.execute(
+            update(time_limit_task)
+            .where(time_limit_task.c.task_key == key)
+            .values(retry_schedule_s="[NaN, 1e300]")
+        )
+    row = wait_status(client, key, TaskStatus.DONE, timeout_s=15)
+    assert row.attempts == 2
+    assert running.listener.thread_errors.count == 0
+    ok = client.create("Probe.record", "after", ttl_ms=20)
+    wait_status(client, ok, TaskStatus.DONE)
+
+
+def test_a_handler_asking_for_a_nan_retry_delay_is_retried_on_the_schedule(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    running = start_listener(settings)
+    key = client.create("Probe.retry_nan", "r", ttl_ms=20)
+    row = wait_status(client, key, TaskStatus.DONE)
+    assert row.attempts == 2
+    assert running.listener.thread_errors.count == 0
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--ttl", "inf"], "error: ttl_s must be"),
+        (["--ttl", "nan"], "error: ttl_s must be"),
+        (["--ttl", "1e300"], "error: ttl_s must be"),
+        (["--ttl", "1e12"], "error: ttl_s must be"),
+        (["--ttl-ms", "99999999999999999999"], "error: ttl_ms must be"),
+        (["--at", "0001-01-01"], "error: "),
+        (["--at", "9999-12-31T23:59:59+00:00"], "error: at 9999-12-31"),
+    ],
+    ids=["inf", "nan", "1e300", "year-33715", "huge-ms", "year-1", "year-9999"],
+)
+def test_the_cli_refuses_bad_due_times_with_one_line(
+    cli_env: dict[str, str], option: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(app, ["create", "Probe", "record", "x", *option], env=cli_env)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_list_and_show_survive_any_stored_row(
+    client: Client, cli_env: dict[str, str], sqlite_url: str
+) -> None:
+    """Rows written before the horizon existed (or by another program): due in year 33715, args
+    that are not JSON. `list` and `show` print them; they never fail for everyone."""
+    from sqlalchemy import create_engine, update
+
+    from keyexpiry.store import time_limit_task
+
+    env = {**cli_env, "KEYEXPIRY_DATABASE_URL": sqlite_url}
+    for name in ("far", "broken"):
+        made = CliRunner().invoke(app, ["create", "Probe", "record", name, "--ttl", "60"], env=env)
+        assert made.exit_code == 0, made.output
+    engine = create_engine(sqlite_url)
+    with engine.begin() as conn:
+        t = time_limit_task
+        conn.execute(update(t).where(t.c.task_key == "Probe@record@far").values(due_at_ms=10**15))
+        conn.execute(update(t).where(t.c.task_key == "Probe@record@broken").values(args="{oops"))
+    engine.dispose()
+    listed = CliRunner().invoke(app, ["list"], env=env)
+    assert listed.exit_code == 0, listed.output
+    assert (
+        "1000000000000000 ms (not a date)" in listed.stdout
+        and "Probe@record@broken" in listed.stdout
+    )
+    for name in ("far", "broken"):
+        shown = CliRunner().invoke(app, ["show", "Probe", "record", name], env=env)
+        assert shown.exit_code == 0, shown.output
+    as_json = CliRunner().invoke(app, ["list", "--json"], env=env)
+    assert as_json.exit_code == 0 and as_json.stdout.count("\n") == 2
+
+
+def test_first_listen_on_a_fresh_ledger_logs_no_missing_table(
+    redis_url: str, tmp_path: Path, start_listener: StartListener, log_lines: list[str]
+) -> None:
+    fresh = make_settings(redis_url, f"sqlite:///{tmp_path / 'fresh.sqlite3'}", tmp_path)
+    running = start_listener(fresh)
+    wait_until(lambda: running.listener.reconciles_done > 0, 10, message="no reconciliation")
+    assert not [line for line in log_lines if "no such table" in line], log_lines
+
+
+def test_forged_evicted_and_rowless_task_keys_do_not_mislead(
+    client: Client, settings: Settings, start_listener: StartListener, log_lines: list[str]
+) -> None:
+    running = start_listener(settings)
+    client.redis.publish("__keyevent@0__:evicted", "Probe@record@forged")
+    client.redis.publish("__keyevent@0__:expired", "Unregistered@run@1")
+    client.redis.publish("__keyevent@0__:expired", "Probe@record@no-row-at-all")
+    wait_until(lambda: running.listener.evicted == 1, 5, message="evicted message not handled")
+    wait_until(
+        lambda: any("Unregistered" in line for line in log_lines), 5, message="no line for it"
+    )
+    assert not _about(log_lines, "maxmemory"), log_lines  # the server runs noeviction
+    unknown = _about(log_lines, "Unregistered")
+    assert len(unknown) == 1 and "no ledger row either" in unknown[0], unknown
+    assert not _about(log_lines, "left pending"), log_lines
+
+
+def test_the_overdue_line_names_the_keys_and_the_cause(
+    client: Client, settings: Settings, start_listener: StartListener, log_lines: list[str]
+) -> None:
+    from keyexpiry.keys import format_key
+    from keyexpiry.store import NewTask
+
+    start_listener(settings)
+    key = format_key("Elsewhere", "run", ["1"])
+    now_ms = client.clock.now_ms()
+    client.store.upsert_pending([NewTask(key, "Elsewhere", "run", ("1",), now_ms - 5000)], now_ms)
+    wait_until(lambda: _about(log_lines, "task(s) overdue"), 10, message="no overdue line")
+    line = _about(log_lines, "task(s) overdue")[0]
+    assert key in line and "does not run class Elsewhere" in line, line

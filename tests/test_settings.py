@@ -31,7 +31,7 @@ def test_env_then_flags_precedence() -> None:
     "env, message",
     [
         ({"KEYEXPIRY_CONCURRENCY": "many"}, "KEYEXPIRY_CONCURRENCY='many' is invalid"),
-        ({"KEYEXPIRY_CONCURRENCY": "0"}, "concurrency must be 1..1024"),
+        ({"KEYEXPIRY_CONCURRENCY": "0"}, "concurrency must be from 1 to 1024, got 0"),
         ({"KEYEXPIRY_CONFIGURE_REDIS": "perhaps"}, "expected true or false"),
         ({"KEYEXPIRY_REDIS_URL": "localhost:6379"}, "is not a URL"),
         ({"KEYEXPIRY_KEY_PREFIX": "a@b"}, "must not contain '@'"),

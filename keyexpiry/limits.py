@@ -1,0 +1,78 @@
+"""The accepted range of every number that enters keyexpiry, and the checks that enforce them.
+
+Each value is checked where it enters (API arguments, CLI options, `KEYEXPIRY_*` settings,
+`@exposed` options, rows read back from the ledger), so the listener's threads only ever see
+finite numbers in range: a NaN or 1e300 there would kill a thread, not fail a task.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from decimal import Decimal
+
+from keyexpiry.errors import KeyExpiryError
+from keyexpiry.keys import shorten
+
+DAY_S = 86_400
+MAX_HORIZON_S = 100 * 365 * DAY_S
+"""How far ahead a task may be due: 100 years (every due time then prints as a date)."""
+MAX_DELAY_S = 365 * DAY_S
+"""Longest retry delay or handler timeout: one year."""
+MAX_RETRIES = 100
+"""Longest retry schedule (each entry is one more attempt)."""
+MIN_DUE_MS = 0
+"""Earliest due time accepted (1970-01-01 UTC): anything earlier is due now anyway."""
+
+
+def number(
+    value: object,
+    field: str,
+    *,
+    low: float,
+    high: float,
+    error: type[KeyExpiryError],
+    above_low: bool = False,
+) -> float:
+    """`value` as a finite float within [low, high] (or (low, high] with `above_low`), else
+    `error` naming `field` and the accepted range in one line."""
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
+        raise error(
+            f"{field} must be a number, got {type(value).__name__} {shorten(repr(value), 80)}"
+        )
+    try:
+        as_float = float(value)
+    except (OverflowError, ValueError):
+        as_float = math.inf
+    low_ok = as_float > low if above_low else as_float >= low
+    if not (math.isfinite(as_float) and low_ok and as_float <= high):
+        bound = "above" if above_low else "from"
+        raise error(
+            f"{field} must be {bound} {_num(low)} to {_num(high)}, got {shorten(repr(value), 80)}"
+        )
+    return as_float
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def delays(
+    values: Iterable[object] | None, field: str, error: type[KeyExpiryError]
+) -> tuple[float, ...] | None:
+    """A retry schedule: `None` stays None (use the next default), `[]` means no retries, and
+    every delay is a finite number of seconds from 0 to MAX_DELAY_S."""
+    if values is None:
+        return None
+    if isinstance(values, str | bytes):
+        raise error(f"{field} must be a list of seconds, got {shorten(repr(values), 80)}")
+    try:
+        items = list(values)
+    except TypeError:
+        raise error(f"{field} must be a list of seconds, got {shorten(repr(values), 80)}") from None
+    if len(items) > MAX_RETRIES:
+        raise error(f"{field} may hold at most {MAX_RETRIES} delays, got {len(items)}")
+    return tuple(
+        number(v, f"{field}[{i}]", low=0, high=MAX_DELAY_S, error=error)
+        for i, v in enumerate(items)
+    )

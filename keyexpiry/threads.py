@@ -1,0 +1,54 @@
+"""Threads that never die silently: a loop that raises is logged, counted and started again.
+
+A listener whose recorder or watchdog died would stay up, log "done", and stop recording outcomes:
+half alive is worse than dead. Every long-lived thread of a listener runs through `spawn`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from loguru import logger
+
+_RESTART_PAUSE_S = 0.1
+"""Pause before a loop that raised starts again, so a failure that repeats cannot spin a core."""
+
+
+class ThreadErrors:
+    """How many unexpected exceptions the listener's threads survived (for status and tests)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.by_thread: dict[str, int] = {}
+
+    def add(self, name: str) -> None:
+        """Count one unexpected exception in thread `name`."""
+        with self._lock:
+            self.count += 1
+            self.by_thread[name] = self.by_thread.get(name, 0) + 1
+
+
+def spawn(
+    name: str, loop: Callable[[], object], *, stopped: threading.Event, errors: ThreadErrors
+) -> threading.Thread:
+    """Start daemon thread `keyexpiry-{name}` running `loop` until it returns; when it raises,
+    log the exception, count it and run `loop` again (unless `stopped` is set)."""
+
+    def supervised() -> None:
+        while True:
+            try:
+                loop()
+                return
+            except Exception:
+                errors.add(name)
+                logger.opt(exception=True).error(
+                    "unexpected error in the {} thread; it carries on", name
+                )
+            if stopped.wait(_RESTART_PAUSE_S):
+                return
+
+    thread = threading.Thread(target=supervised, name=f"keyexpiry-{name}", daemon=True)
+    thread.start()
+    return thread
