@@ -1,10 +1,10 @@
 """keyexpiry: delayed tasks on Redis keyspace notifications, with a SQL ledger."""
 
+from keyexpiry.client import Client, TaskRequest
 from keyexpiry.context import TaskContext, current
 from keyexpiry.errors import DoNotRetry, KeyExpiryError, Retry
 from keyexpiry.listener import Listener
 from keyexpiry.registry import Registry, default_registry, exposed, task
-from keyexpiry.scheduler import Client, TaskRequest
 from keyexpiry.settings import Settings
 from keyexpiry.store import TaskRow, TaskStatus
 

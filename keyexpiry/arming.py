@@ -6,7 +6,6 @@ from collections.abc import Iterator, Sequence
 
 import redis
 
-from keyexpiry.connections import redis_db
 from keyexpiry.keys import MAX_KEY_BYTES, wake_channel
 from keyexpiry.settings import Settings
 
@@ -61,6 +60,11 @@ def arm_keys(
     for start in range(0, len(soon), _WAKE_ENTRIES_PER_MESSAGE):
         pipe.publish(channel, "\n".join(soon[start : start + _WAKE_ENTRIES_PER_MESSAGE]))
     pipe.execute()
+
+
+def redis_db(client: redis.Redis) -> int:
+    """The database number the client uses (for the keyevent and wake channel names)."""
+    return int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
 
 
 def parse_wake(payload: bytes | str) -> Iterator[tuple[str, int]]:

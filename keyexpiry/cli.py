@@ -71,7 +71,7 @@ def _errors(func: F) -> F:
         except Exception as exc:
             import redis
 
-            from keyexpiry.connections import describe_redis_error
+            from keyexpiry.redis_server import describe_redis_error
 
             if not isinstance(exc, redis.RedisError):
                 raise
@@ -104,23 +104,19 @@ def _tasks(value: str | None) -> tuple[str, ...] | None:
 
 
 @contextlib.contextmanager
-def _connections(settings: Settings) -> Iterator[tuple[Any, Any]]:
-    """The ledger and a Redis client for a one-off command, closed afterwards."""
-    from keyexpiry.connections import open_store, redis_client, resolve_redis_url
+def _runtime(settings: Settings) -> Iterator[Any]:
+    """Connections for a one-off command, closed afterwards."""
+    from keyexpiry.runtime import Runtime
 
-    store = open_store(settings)
+    rt = Runtime.open(settings)
     try:
-        client = redis_client(resolve_redis_url(settings), settings)
-        try:
-            yield store, client
-        finally:
-            client.close()
+        yield rt
     finally:
-        store.engine.dispose()
+        rt.close()
 
 
 def _client(settings: Settings) -> Any:
-    from keyexpiry.scheduler import Client
+    from keyexpiry.client import Client
 
     load_task_modules(settings.tasks)
     return Client(settings)
@@ -260,7 +256,7 @@ def list_tasks(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
     """List tasks by due time."""
-    from keyexpiry.connections import open_store
+    from keyexpiry.runtime import open_store
     from keyexpiry.store import TaskStatus
 
     try:
@@ -288,15 +284,13 @@ def reconcile(
     dry_run: bool = typer.Option(False, "--dry-run", help="Report, change nothing."),
 ) -> None:
     """Re-arm keys Redis lost and requeue runs whose listener died."""
-    from keyexpiry.clock import RedisClock
     from keyexpiry.reconcile import Reconciler
 
     settings = _settings(ctx)
-    with _connections(settings) as (store, client):
+    with _runtime(settings) as rt:
+        store = rt.store
         store.create_schema()
-        reconciler = Reconciler(
-            store=store, redis_client=client, clock=RedisClock(client), settings=settings
-        )
+        reconciler = Reconciler(rt)
         with typer.progressbar(length=max(store.count_pending(), 1), label="reconciling") as bar:
             done = [0]
 
@@ -312,7 +306,7 @@ def reconcile(
 @_errors
 def init_db(ctx: typer.Context) -> None:
     """Create the time_limit_task table (idempotent)."""
-    from keyexpiry.connections import open_store
+    from keyexpiry.runtime import open_store
 
     store = open_store(_settings(ctx))
     try:
@@ -331,8 +325,8 @@ def doctor(
     """Check Redis and the database; exit 1 if something fails."""
     from keyexpiry.doctor import run_checks
 
-    with _connections(_settings(ctx)) as (store, client):
-        checks = run_checks(client, store, fix=fix)
+    with _runtime(_settings(ctx)) as rt:
+        checks = run_checks(rt, fix=fix)
     for c in checks:
         typer.echo(f"[{c.status:>4}] {c.name:<13} {c.detail}")
     if any(c.status == "fail" for c in checks):

@@ -14,10 +14,10 @@ from pathlib import Path
 import typer
 from sqlalchemy import select
 
+from keyexpiry.client import Client, TaskRequest
 from keyexpiry.embedded import stop_embedded_redis
 from keyexpiry.errors import ConfigError
 from keyexpiry.listener import Listener
-from keyexpiry.scheduler import Client, TaskRequest
 from keyexpiry.settings import Settings
 from keyexpiry.store import TaskStatus
 

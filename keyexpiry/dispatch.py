@@ -22,8 +22,7 @@ import redis
 from loguru import logger
 
 from keyexpiry import limits, retries, threads
-from keyexpiry.arming import arm_keys
-from keyexpiry.clock import Clock, monotonic_s
+from keyexpiry.clock import monotonic_s
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import (
     ArgumentError,
@@ -34,9 +33,9 @@ from keyexpiry.errors import (
     UnknownTaskError,
 )
 from keyexpiry.keys import excerpt, parse_key
-from keyexpiry.registry import Registry, TaskSpec
-from keyexpiry.settings import Settings
-from keyexpiry.store import Outcome, Store, TaskRow, TaskStatus
+from keyexpiry.registry import TaskSpec
+from keyexpiry.runtime import Runtime
+from keyexpiry.store import Outcome, TaskRow, TaskStatus
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -82,22 +81,10 @@ class DispatchStats:
 class Dispatcher:
     """Runs submitted task keys once per claim on a bounded worker pool."""
 
-    def __init__(
-        self,
-        *,
-        store: Store,
-        redis_client: redis.Redis,
-        clock: Clock,
-        registry: Registry,
-        settings: Settings,
-        owner: str,
-    ) -> None:
-        self.store = store
-        self.redis = redis_client
-        self.clock = clock
-        self.registry = registry
-        self.settings = settings
-        self.owner = owner
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.store, self.redis, self.clock = rt.store, rt.redis, rt.clock
+        self.registry, self.settings, self.owner = rt.registry, rt.settings, rt.owner
         self.stats = DispatchStats()
         self._incoming: queue.SimpleQueue[str] = queue.SimpleQueue()
         # Keys in _incoming or _backlog: a key seen twice before its claim (its event and a
@@ -410,12 +397,7 @@ class Dispatcher:
                 existing.exists(row.key)
             present = existing.execute()
             missing = [r for r, p in zip(rearm, present, strict=True) if not p]
-            arm_keys(
-                self.redis,
-                [(r.key, r.due_at_ms) for r in missing],
-                self.clock.now_ms(),
-                self.settings,
-            )
+            self.rt.arm([(r.key, r.due_at_ms) for r in missing], self.clock.now_ms())
 
     def _timeout_s(self, spec: TaskSpec) -> float:
         return retries.timeout_s(spec.options, self.settings)
@@ -750,7 +732,7 @@ class Dispatcher:
         if retries:
             try:
                 items = [(o.key, o.due_at_ms) for o in retries]
-                arm_keys(self.redis, items, self.clock.now_ms(), self.settings)
+                self.rt.arm(items, self.clock.now_ms())
             except redis.RedisError as exc:
                 logger.warning(
                     "could not re-arm {} retry key(s): {}; reconciliation will", len(retries), exc
@@ -767,9 +749,7 @@ class Dispatcher:
         try:
             for token, group in by_token.items():
                 self.store.release([r.row.id for r in group], token, now_ms)
-            arm_keys(
-                self.redis, [(r.row.key, r.row.due_at_ms) for r in runs], now_ms, self.settings
-            )
+            self.rt.arm([(r.row.key, r.row.due_at_ms) for r in runs], now_ms)
         except (StoreError, redis.RedisError) as exc:
             logger.warning(
                 "could not release {} unstarted claim(s): {}; their leases will "

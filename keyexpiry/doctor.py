@@ -9,7 +9,8 @@ import redis
 from sqlalchemy import text
 
 from keyexpiry.errors import KeyExpiryError, RedisConfigError
-from keyexpiry.listener import check_notifications, config_value
+from keyexpiry.redis_server import check_notifications, config_value, eviction_warning
+from keyexpiry.runtime import Runtime
 from keyexpiry.store import Store
 
 
@@ -22,8 +23,9 @@ class Check:
     detail: str
 
 
-def run_checks(client: redis.Redis, store: Store, *, fix: bool = False) -> list[Check]:
+def run_checks(rt: Runtime, *, fix: bool = False) -> list[Check]:
     """Check Redis and the ledger; with `fix`, turn keyspace notifications on if CONFIG allows."""
+    client, store = rt.redis, rt.store
     checks: list[Check] = []
     try:
         info = client.info("server")
@@ -46,24 +48,10 @@ def run_checks(client: redis.Redis, store: Store, *, fix: bool = False) -> list[
             checks.append(
                 Check("eviction", "warn", "cannot read maxmemory-policy (CONFIG blocked)")
             )
-        elif policy == "noeviction":
-            checks.append(Check("eviction", "ok", "maxmemory-policy=noeviction"))
         else:
-            flags = config_value(client, "notify-keyspace-events") or ""
-            recovery = (
-                "the listener re-arms them on the `evicted` event"
-                if "e" in flags or "A" in flags
-                else "without `e` in notify-keyspace-events (--fix adds it) reconciliation "
-                "recovers them, late"
-            )
-            checks.append(
-                Check(
-                    "eviction",
-                    "warn",
-                    f"maxmemory-policy={policy}: task keys may be evicted (announced as "
-                    f"`evicted`, not `expired`); {recovery}. Prefer noeviction",
-                )
-            )
+            warning = eviction_warning(client)
+            detail = warning or "maxmemory-policy=noeviction"
+            checks.append(Check("eviction", "warn" if warning else "ok", detail))
     try:
         present = store.table_exists()
         checks.append(Check("database", "ok", "reachable"))

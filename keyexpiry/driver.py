@@ -19,11 +19,9 @@ from collections.abc import Iterable
 import redis
 from loguru import logger
 
-from keyexpiry.clock import Clock
 from keyexpiry.errors import StoreError
 from keyexpiry.keys import driver_lock_key
-from keyexpiry.settings import Settings
-from keyexpiry.store import Store
+from keyexpiry.runtime import Runtime
 from keyexpiry.threads import ThreadErrors, spawn
 
 # A key still alive this close to its due time is looked up again at its real expiry time;
@@ -42,20 +40,10 @@ return redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
 class ExpiryDriver:
     """Looks due keys up at their due time; bounded to `driver_max_rows` upcoming entries."""
 
-    def __init__(
-        self,
-        *,
-        store: Store,
-        redis_client: redis.Redis,
-        clock: Clock,
-        settings: Settings,
-        owner: str,
-    ) -> None:
-        self.store = store
-        self.redis = redis_client
-        self.clock = clock
-        self.settings = settings
-        self.owner = owner
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.store, self.redis, self.clock = rt.store, rt.redis, rt.clock
+        self.settings, self.owner = rt.settings, rt.owner
         self.lookups = 0
         self.forced = 0
         self.is_leader = False
@@ -67,7 +55,7 @@ class ExpiryDriver:
         self._thread: threading.Thread | None = None
         self._errors = ThreadErrors()
         self._renew = self.redis.register_script(_RENEW)
-        self._lock_key = driver_lock_key(settings.key_prefix)
+        self._lock_key = driver_lock_key(rt.settings.key_prefix)
         self._lease_checked_ms = 0
 
     def start(self, errors: ThreadErrors | None = None) -> None:

@@ -8,11 +8,8 @@ excerpt) and dropped, and an oversized key is never decoded or queued.
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import threading
-import uuid
 from types import FrameType
 from typing import Any
 
@@ -20,14 +17,7 @@ import redis
 from loguru import logger
 
 from keyexpiry.arming import WAKE_MAX_BYTES, parse_wake
-from keyexpiry.clock import RedisClock, monotonic_s
-from keyexpiry.connections import (
-    describe_redis_error,
-    open_store,
-    redis_client,
-    redis_db,
-    resolve_redis_url,
-)
+from keyexpiry.clock import monotonic_s
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
 from keyexpiry.errors import KeyFormatError, RedisConfigError, StoreError
@@ -45,16 +35,21 @@ from keyexpiry.keys import (
     wake_channel,
 )
 from keyexpiry.reconcile import Reconciler
-from keyexpiry.registry import Registry, default_registry
+from keyexpiry.redis_server import (
+    REPLICA_PROBLEM,
+    check_notifications,
+    config_value,
+    describe_redis_error,
+    eviction_warning,
+    subscribe_confirmed,
+)
+from keyexpiry.registry import Registry
+from keyexpiry.runtime import Runtime
 from keyexpiry.settings import Settings, mask_url
 from keyexpiry.store import Store
 from keyexpiry.threads import ThreadErrors, spawn
 
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-REPLICA_PROBLEM = (
-    "Redis is a replica: replicas never announce expired keys and refuse writes; point "
-    "keyexpiry at the master"
-)
 
 
 class _Rebuild(redis.ConnectionError):
@@ -64,81 +59,6 @@ class _Rebuild(redis.ConnectionError):
 _MAX_MESSAGES_PER_STEP = 5000
 _CANARY_PATIENCE_S = 30.0
 """How long the canary's event may lag behind a stream of other expired events."""
-
-
-def config_value(client: redis.Redis, name: str) -> str | None:
-    """A server setting read with CONFIG GET; None when CONFIG is blocked (managed Redis)."""
-    try:
-        values: dict[Any, Any] = client.config_get(name)
-    except redis.ResponseError:
-        return None
-    for k, v in values.items():
-        if (k.decode() if isinstance(k, bytes) else k) == name:
-            return v.decode() if isinstance(v, bytes) else str(v)
-    return ""
-
-
-def check_notifications(client: redis.Redis, *, configure: bool) -> str | None:
-    """Make sure Redis announces expired keys; return a warning if that cannot be verified.
-
-    With `configure`, turn on what is missing of `E`, `x` and `e` (evicted keys) by CONFIG SET.
-
-    Raises RedisConfigError when notifications are off (and `configure` is false) or when the
-    server is a replica (replicas announce `del`, not `expired`).
-    """
-    try:
-        role = client.execute_command("ROLE")[0]  # type: ignore[no-untyped-call]
-        if role in (b"slave", "slave", b"replica", "replica"):
-            raise RedisConfigError(REPLICA_PROBLEM)
-    except redis.ResponseError:
-        pass  # ROLE blocked by ACL: nothing to learn
-    text = config_value(client, "notify-keyspace-events")
-    if text is None:
-        return (
-            "cannot read CONFIG (blocked, as on managed Redis); make sure the server's "
-            "notify-keyspace-events includes E and x (e.g. 'Ex'), set in its parameter group"
-        )
-    has_x = "x" in text or "A" in text
-    # `e` too: an evicted task key is then re-armed at once instead of at the overdue check.
-    has_e = "e" in text or "A" in text
-    announces_expired = "E" in text and has_x
-    if announces_expired and (has_e or not configure):
-        return None
-    if not configure:
-        raise RedisConfigError(
-            f"Redis keyspace notifications are {text!r}, which lacks E and/or x: expired events "
-            "would never arrive. Run `keyexpiry doctor --fix`, pass --configure-redis, or set "
-            "notify-keyspace-events Ex in redis.conf"
-        )
-    wanted = text + ("" if "E" in text else "E") + ("" if has_x else "x") + ("" if has_e else "e")
-    client.config_set("notify-keyspace-events", wanted)
-    logger.warning("set notify-keyspace-events to {!r} (was {!r})", wanted, text)
-    return None
-
-
-def subscribe_confirmed(pubsub: Any, channels: list[str], *, timeout_s: float = 10.0) -> None:
-    """Subscribe `pubsub` to `channels` and wait for Redis to confirm each one.
-
-    Raises RedisConfigError when the ACL user may not use the channels (NOPERM): retrying cannot
-    help, and the listener would otherwise loop on it.
-    """
-    try:
-        pubsub.subscribe(*channels)
-        confirmed = 0
-        deadline = monotonic_s() + timeout_s
-        while confirmed < len(channels):
-            if monotonic_s() > deadline:
-                raise redis.TimeoutError(f"no subscribe confirmation within {timeout_s:g} s")
-            msg = pubsub.get_message(timeout=0.5)
-            if msg is not None and msg.get("type") == "subscribe":
-                confirmed += 1
-    except redis.exceptions.NoPermissionError as exc:
-        user = pubsub.connection_pool.connection_kwargs.get("username") or "default"
-        grants = " ".join(f"&{c}" for c in channels)
-        raise RedisConfigError(
-            f"Redis ACL user {user!r} may not subscribe to {', '.join(channels)} ({exc}); grant "
-            f"the channels, e.g. `ACL SETUSER {user} {grants}` (or `&*`)"
-        ) from None
 
 
 def _well_formed(key: str) -> bool:
@@ -164,41 +84,23 @@ class Listener:
         store: Store | None = None,
         owner: str | None = None,
     ) -> None:
-        self.settings = settings
-        self.registry = registry or default_registry
-        self.store = store or open_store(settings)
-        self.redis_url = resolve_redis_url(settings)
-        self.redis = redis_client(self.redis_url, settings)
-        self._sub_client = redis_client(self.redis_url, settings, pubsub=True)
-        self.db = redis_db(self.redis)
+        self.rt = Runtime.open(settings, registry, store=store, owner=owner)
+        rt = self.rt
+        # Shorthands: tests and status read these.
+        self.settings, self.registry, self.store = settings, rt.registry, rt.store
+        self.redis, self.clock, self.owner, self.redis_url = (
+            rt.redis,
+            rt.clock,
+            rt.owner,
+            rt.redis_url,
+        )
+        self.db = rt.db
         self.channel = expired_channel(self.db)
         self.evicted_channel = evicted_channel(self.db)
         self._evicted_channel_bytes = self.evicted_channel.encode()
-        self.clock = RedisClock(self.redis)
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.dispatcher = Dispatcher(
-            store=self.store,
-            redis_client=self.redis,
-            clock=self.clock,
-            registry=self.registry,
-            settings=settings,
-            owner=self.owner,
-        )
-        self.reconciler = Reconciler(
-            store=self.store,
-            redis_client=self.redis,
-            clock=self.clock,
-            settings=settings,
-            registry=self.registry,
-            submit=self.dispatcher.submit,
-        )
-        self.driver = ExpiryDriver(
-            store=self.store,
-            redis_client=self.redis,
-            clock=self.clock,
-            settings=settings,
-            owner=self.owner,
-        )
+        self.dispatcher = Dispatcher(rt)
+        self.reconciler = Reconciler(rt, submit=self.dispatcher.submit)
+        self.driver = ExpiryDriver(rt)
         self.wake_channel = wake_channel(self.db, settings.key_prefix)
         self._wake_channel_bytes = self.wake_channel.encode()
         self.subscribed = threading.Event()
@@ -271,9 +173,7 @@ class Listener:
             self._close_pubsub()
             self._reconcile_wanted.set()
             reconcile_thread.join(timeout=5)
-            self.redis.close()
-            self._sub_client.close()
-            self.store.engine.dispose()
+            self.rt.close()
             restore()
             logger.info("listener stopped")
 
@@ -502,20 +402,13 @@ class Listener:
         warning = check_notifications(self.redis, configure=self.settings.configure_redis)
         if warning:
             logger.warning(warning)
-        policy = config_value(self.redis, "maxmemory-policy")
-        self._eviction_possible = policy != "noeviction"
-        if policy and policy != "noeviction":
-            flags = config_value(self.redis, "notify-keyspace-events") or ""
-            logger.warning(
-                "maxmemory-policy is {}: Redis may evict task keys (announced as `evicted`, "
-                "never `expired`); {}. Prefer noeviction",
-                policy,
-                "they are re-armed when the `evicted` event arrives"
-                if "e" in flags or "A" in flags
-                else "without `e` in notify-keyspace-events the overdue check recovers them late",
-            )
+        # CONFIG blocked (None): eviction cannot be ruled out.
+        self._eviction_possible = config_value(self.redis, "maxmemory-policy") != "noeviction"
+        eviction = eviction_warning(self.redis)
+        if eviction:
+            logger.warning(eviction)
         self.clock.sync()
-        pubsub = self._sub_client.pubsub()  # type: ignore[no-untyped-call]
+        pubsub: Any = self.rt.subscriber().pubsub()  # type: ignore[no-untyped-call]
         self._pubsub = pubsub
         channels = [self.channel, self.evicted_channel]
         if self.settings.driver:

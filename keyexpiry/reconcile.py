@@ -9,17 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis
 from loguru import logger
 
 from keyexpiry import retries
-from keyexpiry.arming import arm_keys
-from keyexpiry.clock import Clock
 from keyexpiry.errors import UnknownTaskError
 from keyexpiry.keys import excerpt, task_class_of
-from keyexpiry.registry import Registry
-from keyexpiry.settings import Settings
-from keyexpiry.store import Store, TaskRow, TaskStatus
+from keyexpiry.runtime import Runtime
+from keyexpiry.store import TaskRow, TaskStatus
 
 PAGE_ROWS = 1000
 # A key whose remaining TTL differs from the ledger by more than this was changed by someone else.
@@ -50,21 +46,10 @@ class Reconciler:
     (the CLI) overdue keys are re-armed so they expire at once and a listener runs them.
     """
 
-    def __init__(
-        self,
-        *,
-        store: Store,
-        redis_client: redis.Redis,
-        clock: Clock,
-        settings: Settings,
-        registry: Registry | None = None,
-        submit: Callable[[list[str]], None] | None = None,
-    ) -> None:
-        self.store = store
-        self.redis = redis_client
-        self.clock = clock
-        self.settings = settings
-        self.registry = registry
+    def __init__(self, rt: Runtime, *, submit: Callable[[list[str]], None] | None = None) -> None:
+        self.rt = rt
+        self.store, self.redis, self.clock = rt.store, rt.redis, rt.clock
+        self.settings, self.registry = rt.settings, rt.registry
         self.submit = submit
 
     def run(
@@ -111,7 +96,7 @@ class Reconciler:
             self.submit(keys)
             action = "running them from the ledger (expired events are not arriving)"
         else:
-            arm_keys(self.redis, rows, now_ms, self.settings)
+            self.rt.arm(rows, now_ms)
             action = f"re-armed; {self._overdue_cause(keys)}"
         shown = ", ".join(excerpt(k, 60) for k in keys[:3])
         more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
@@ -172,7 +157,7 @@ class Reconciler:
             if self.submit is not None:
                 self.submit(requeued)
             else:
-                arm_keys(self.redis, [(k, now_ms) for k in requeued], now_ms, self.settings)
+                self.rt.arm([(k, now_ms) for k in requeued], now_ms)
 
     def _repair_page(self, page: list[TaskRow], report: ReconcileReport, dry_run: bool) -> None:
         now_ms = self.clock.now_ms()
@@ -197,6 +182,6 @@ class Reconciler:
         report.rearmed += len(to_arm)
         if dry_run or not to_arm:
             return
-        arm_keys(self.redis, [(r.key, r.due_at_ms) for r in to_arm], now_ms, self.settings)
+        self.rt.arm([(r.key, r.due_at_ms) for r in to_arm], now_ms)
         for row in to_arm:
             logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")

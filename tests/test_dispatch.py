@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from keyexpiry import Client, Settings
 from keyexpiry.dispatch import Dispatcher
-from keyexpiry.registry import default_registry
 from keyexpiry.store import TaskStatus
 from tests import sample_tasks
 from tests.ke import wait_status
@@ -18,14 +17,7 @@ def test_a_key_seen_twice_before_its_claim_is_claimed_once_and_can_be_queued_aga
     delivered: queued once, not once per sighting. Once claimed the key may be queued again
     (a task moved and due again must not be dropped)."""
     key = client.create("Probe.record", "twice", ttl_ms=0)
-    dispatcher = Dispatcher(
-        store=client.store,
-        redis_client=client.redis,
-        clock=client.clock,
-        registry=default_registry,
-        settings=settings,
-        owner="test",
-    )
+    dispatcher = Dispatcher(client.rt)
     dispatcher.submit([key, key])
     dispatcher.submit(iter([key]))
     assert dispatcher.stats.already_queued == 2

@@ -280,9 +280,7 @@ def test_every_event_read_in_one_step_is_handled_even_past_the_step_limit(
         assert listener.dispatcher.stats.submitted == len(keys)
     finally:
         listener._close_pubsub()
-        listener.redis.close()
-        listener._sub_client.close()
-        listener.store.engine.dispose()
+        listener.rt.close()
 
 
 def test_keyexpirys_own_keys_of_other_listeners_are_not_reported_as_bad_keys(

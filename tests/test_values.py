@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keyexpiry import exposed
+from keyexpiry.client import due_at_ms
 from keyexpiry.errors import ArgumentError, ConfigError, KeyExpiryError
 from keyexpiry.keys import format_key
 from keyexpiry.limits import MAX_DELAY_S, MAX_HORIZON_S
 from keyexpiry.registry import Registry, TaskSpec
-from keyexpiry.scheduler import due_at_ms
 from keyexpiry.settings import Settings
 
 NOW_MS = 1_700_000_000_000

@@ -5,6 +5,7 @@ Each scenario ends with the verdict: every task done exactly once, none lost.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,8 +17,7 @@ from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.doctor import run_checks
 from keyexpiry.errors import RedisUnavailableError
-from keyexpiry.listener import REPLICA_PROBLEM
-from keyexpiry.registry import default_registry
+from keyexpiry.redis_server import REPLICA_PROBLEM
 from keyexpiry.store import TaskStatus
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings
@@ -143,7 +143,7 @@ def test_master_demoted_to_replica_while_tasks_are_due(
         assert status["problem"] and "replica" in str(status["problem"])
         assert status["events_arriving"] is False
         assert running.thread.is_alive()
-        checks = {ch.name: ch for ch in run_checks(admin, c.store)}
+        checks = {ch.name: ch for ch in run_checks(dataclasses.replace(c.rt, redis=admin))}
         assert checks["notifications"].status == "fail"
         assert "replica" in checks["notifications"].detail
         with pytest.raises(RedisUnavailableError, match="recorded in the ledger"):
@@ -228,12 +228,7 @@ def test_a_task_key_lost_as_its_task_falls_due_during_the_claim_is_rearmed(
     assert row is not None
     client.redis.delete(key)  # evicted
     dispatcher = Dispatcher(
-        store=client.store,
-        redis_client=client.redis,
-        clock=_FallsDueDuringClaim(row.due_at_ms),
-        registry=default_registry,
-        settings=settings,
-        owner="test",
+        dataclasses.replace(client.rt, clock=_FallsDueDuringClaim(row.due_at_ms), owner="test")
     )
     dispatcher.start()
     try:

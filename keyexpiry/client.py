@@ -1,0 +1,228 @@
+"""`Client`: creating, cancelling and inspecting tasks, the API business code calls."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from keyexpiry import limits
+from keyexpiry.errors import ArgumentError, RedisUnavailableError, UnknownTaskError
+from keyexpiry.keys import clip, format_key
+from keyexpiry.registry import Registry, TaskSpec
+from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
+from keyexpiry.store import NewTask, Store, TaskRow, TaskStatus
+
+Target = str | Callable[..., Any]
+"""A task method: the exposed function itself (`OrderTimeout.close_unpaid`) or `"Class.method"`."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRequest:
+    """One task for `Client.create_many`: target, arguments and exactly one of the due fields."""
+
+    target: Target
+    args: Sequence[object] = ()
+    ttl_s: float | None = None
+    ttl_ms: int | None = None
+    at: dt.datetime | None = None
+    retry_schedule_s: Sequence[float] | None = None
+
+
+class Client:
+    """Business code's handle on keyexpiry: create, cancel and inspect delayed tasks.
+
+    >>> ke = Client(Settings.from_env())
+    >>> ke.create(OrderTimeout.close_unpaid, 218, ttl_s=900)
+    'OrderTimeout@close_unpaid@218'
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        registry: Registry | None = None,
+        store: Store | None = None,
+        ensure_schema: bool = True,
+        runtime: Runtime | None = None,
+    ) -> None:
+        self.rt = runtime or Runtime.open(settings or Settings.from_env(), registry, store=store)
+        # Shorthands: business code and the CLI read these.
+        self.settings, self.registry, self.store = self.rt.settings, self.rt.registry, self.rt.store
+        self.redis, self.clock = self.rt.redis, self.rt.clock
+        if ensure_schema:
+            self.store.create_schema()
+
+    def close(self) -> None:
+        """Release connections."""
+        self.rt.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- keys ---------------------------------------------------------------------------------
+    def spec(self, target: Target) -> TaskSpec:
+        """The registered task method `target` names."""
+        if callable(target):
+            return self.registry.spec_for(target)
+        class_name, sep, method = target.replace("@", ".").partition(".")
+        if not sep:
+            raise UnknownTaskError(f"{clip(target)}: name a task as 'Class.method'")
+        return self.registry.resolve(class_name, method)
+
+    def key_for(self, target: Target, *args: object) -> str:
+        """The Redis key of `target(*args)`; checks the arguments against the signature."""
+        spec = self.spec(target)
+        return format_key(
+            spec.class_name, spec.method, spec.encode_args(args), prefix=self.settings.key_prefix
+        )
+
+    # --- create -------------------------------------------------------------------------------
+    def create(
+        self,
+        target: Target,
+        *args: object,
+        ttl_s: float | None = None,
+        ttl_ms: int | None = None,
+        at: dt.datetime | None = None,
+        retry_schedule_s: Sequence[float] | None = None,
+    ) -> str:
+        """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
+
+        Creating a task whose key exists reschedules it (one row, one key): whatever its state,
+        exactly one run happens at or after the new due time. A run already claimed for the old
+        due time (running, or claimed just before this) still happens, unrecorded. Returns the key.
+        """
+        return self.create_many([TaskRequest(target, args, ttl_s, ttl_ms, at, retry_schedule_s)])[0]
+
+    def create_many(self, requests: Iterable[TaskRequest]) -> list[str]:
+        """Schedule many tasks with one ledger transaction and one Redis pipeline.
+
+        All arguments are checked first: one bad request means nothing is written.
+        """
+        now_ms = self._now_ms()
+        new: dict[str, NewTask] = {}
+        for req in requests:
+            spec = self.spec(req.target)
+            encoded = spec.encode_args(req.args)
+            key = format_key(spec.class_name, spec.method, encoded, prefix=self.settings.key_prefix)
+            schedule = limits.delays(req.retry_schedule_s, "retry_schedule_s", ArgumentError)
+            due = due_at_ms(now_ms, ttl_s=req.ttl_s, ttl_ms=req.ttl_ms, at=req.at)
+            new[key] = NewTask(key, spec.class_name, spec.method, encoded, due, schedule)
+        tasks = list(new.values())
+        # Row first: a row without a key is repaired by reconciliation; a key without a row
+        # would never run.
+        self.store.upsert_pending(tasks, now_ms)
+        self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
+        return [t.key for t in tasks]
+
+    # --- cancel / inspect ---------------------------------------------------------------------
+    def cancel(self, target: Target, *args: object) -> bool:
+        """Cancel a pending task; False if it was not pending (already running, done, or absent)."""
+        spec = self.spec(target)
+        keys = {self.key_for(target, *args)}
+        # A task created before keys were canonical may still be pending under its old spelling.
+        keys.add(
+            format_key(
+                spec.class_name,
+                spec.method,
+                spec.legacy_args(args),
+                prefix=self.settings.key_prefix,
+            )
+        )
+        return bool(self.cancel_keys(sorted(keys)))
+
+    def cancel_keys(self, keys: Sequence[str]) -> list[str]:
+        """Cancel those of `keys` that are pending; return the ones cancelled."""
+        cancelled = self.store.cancel(keys, self._now_ms())
+        if cancelled:
+            try:
+                # The ledger decided; a leftover key only makes an event that claims nothing.
+                self.redis.delete(*cancelled)
+            except redis.RedisError:
+                pass
+        return cancelled
+
+    def get(self, target: Target, *args: object) -> TaskRow | None:
+        """The ledger row of `target(*args)`, or None."""
+        return self.store.get(self.key_for(target, *args))
+
+    def ttl_ms(self, target: Target, *args: object) -> int | None:
+        """Milliseconds until the task's key expires; None if the key does not exist."""
+        try:
+            pttl = int(self.redis.pttl(self.key_for(target, *args)))
+        except redis.RedisError as exc:
+            raise RedisUnavailableError(f"Redis: {exc}") from None
+        return pttl if pttl >= 0 else None
+
+    def ttl_s(self, target: Target, *args: object) -> float | None:
+        """Seconds until the task's key expires; None if the key does not exist."""
+        ms = self.ttl_ms(target, *args)
+        return None if ms is None else ms / 1000.0
+
+    def list_tasks(self, status: TaskStatus | None = None, limit: int = 50) -> list[TaskRow]:
+        """Ledger rows by due time."""
+        return self.store.list_tasks(status, limit)
+
+    # --- internals ----------------------------------------------------------------------------
+    def _now_ms(self) -> int:
+        try:
+            return self.clock.now_ms()
+        except redis.RedisError as exc:
+            raise RedisUnavailableError(f"Redis is not reachable: {exc}") from None
+
+    def _arm(self, items: Sequence[tuple[str, int]], now_ms: int) -> None:
+        try:
+            self.rt.arm(items, now_ms)
+        except redis.RedisError as exc:
+            raise RedisUnavailableError(
+                f"task recorded in the ledger but its Redis key was not set ({exc}); "
+                "reconciliation will set it, or create it again"
+            ) from None
+
+
+def due_at_ms(
+    now_ms: int,
+    *,
+    ttl_s: float | None = None,
+    ttl_ms: int | None = None,
+    at: dt.datetime | None = None,
+) -> int:
+    """The due time in epoch ms from exactly one of a TTL in s, a TTL in ms, or a datetime.
+
+    Due times reach at most `limits.MAX_HORIZON_S` (100 years) ahead; an `at` in the past is due
+    now, back to 1970-01-01 UTC.
+    """
+    given = [x for x in (ttl_s, ttl_ms, at) if x is not None]
+    if len(given) != 1:
+        raise ArgumentError("give exactly one of ttl_s, ttl_ms or at")
+    horizon_ms = now_ms + limits.MAX_HORIZON_S * 1000
+    if at is not None:
+        if not isinstance(at, dt.datetime):
+            raise ArgumentError(f"at must be a datetime, got {type(at).__name__}")
+        if at.tzinfo is None:
+            raise ArgumentError("at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        try:
+            due = round(at.timestamp() * 1000)
+        except (OverflowError, ValueError, OSError):
+            due = -1
+        if not limits.MIN_DUE_MS <= due <= horizon_ms:
+            raise ArgumentError(
+                f"at {at.isoformat()} is out of range: from 1970-01-01 UTC to "
+                f"{limits.MAX_HORIZON_S // (365 * limits.DAY_S)} years from now"
+            )
+        return due
+    if ttl_ms is not None:
+        limits.number(ttl_ms, "ttl_ms", low=0, high=horizon_ms - now_ms, error=ArgumentError)
+        if ttl_ms != int(ttl_ms):
+            raise ArgumentError(f"ttl_ms must be a whole number of milliseconds, got {ttl_ms!r}")
+        return now_ms + int(ttl_ms)
+    ttl = limits.number(ttl_s, "ttl_s", low=0, high=limits.MAX_HORIZON_S, error=ArgumentError)
+    return now_ms + round(ttl * 1000)

@@ -1,0 +1,132 @@
+"""The one place settings become connections: Redis, the ledger, the clock, the registry and the
+listener's identity, closed together.
+
+Every part (client, listener, claimer, driver, reconciliation, doctor) takes a `Runtime` instead
+of building or fetching its own connections. Its Redis side is two clients, one for commands and
+one for the subscription; a Sentinel-followed master or one connection per Cluster primary goes
+behind `redis` / `subscriber()` without the dispatch code noticing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from redis import Redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from keyexpiry.arming import arm_keys, redis_db
+from keyexpiry.clock import RedisClock
+from keyexpiry.embedded import ensure_embedded_redis
+from keyexpiry.errors import RedisUnavailableError
+from keyexpiry.registry import Registry, default_registry
+from keyexpiry.settings import Settings, mask_url
+from keyexpiry.store import Store, make_engine
+
+
+@dataclass(eq=False)
+class Runtime:
+    """Connections and identity shared by every part of one client or listener."""
+
+    settings: Settings
+    registry: Registry
+    store: Store
+    redis_url: str
+    redis: Redis
+    """Commands (SET, PTTL, pipelines): short timeouts, fail fast."""
+    clock: RedisClock
+    owner: str
+    """This process's identity in claims and logs: host:pid:random."""
+    _subscriber: Redis | None = field(default=None, repr=False)
+
+    @classmethod
+    def open(
+        cls,
+        settings: Settings,
+        registry: Registry | None = None,
+        *,
+        store: Store | None = None,
+        owner: str | None = None,
+    ) -> Runtime:
+        """Connect to what `settings` name (starting the embedded Redis if it is the default)."""
+        url = resolve_redis_url(settings)
+        client = redis_client(url, settings)
+        return cls(
+            settings=settings,
+            registry=registry or default_registry,
+            store=store or open_store(settings),
+            redis_url=url,
+            redis=client,
+            clock=RedisClock(client),
+            owner=owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
+        )
+
+    @property
+    def db(self) -> int:
+        """The Redis database number (for the keyevent channel names)."""
+        return redis_db(self.redis)
+
+    def subscriber(self) -> Redis:
+        """The client subscriptions are made on: no read timeout, a health check instead."""
+        if self._subscriber is None:
+            self._subscriber = redis_client(self.redis_url, self.settings, pubsub=True)
+        return self._subscriber
+
+    def arm(self, items: Sequence[tuple[str, int]], now_ms: int | None = None) -> None:
+        """Set task keys to expire at their due times (and announce those due soon)."""
+        now = self.clock.now_ms() if now_ms is None else now_ms
+        arm_keys(self.redis, items, now, self.settings)
+
+    def close(self) -> None:
+        """Release every connection."""
+        self.redis.close()
+        if self._subscriber is not None:
+            self._subscriber.close()
+        self.store.engine.dispose()
+
+
+def resolve_redis_url(settings: Settings) -> str:
+    """The Redis URL to use: the configured one, or the embedded server (started if needed)."""
+    if settings.redis_url:
+        return settings.redis_url
+    return ensure_embedded_redis(settings.state_dir)
+
+
+def resolve_database_url(settings: Settings) -> str:
+    """The ledger URL: the configured one, or a SQLite file under the state dir."""
+    if settings.database_url:
+        return settings.database_url
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{settings.state_dir.resolve() / 'keyexpiry.sqlite3'}"
+
+
+def open_store(settings: Settings) -> Store:
+    """The ledger for `settings`."""
+    return Store(make_engine(resolve_database_url(settings)))
+
+
+def redis_client(url: str, settings: Settings, *, pubsub: bool = False) -> Redis:
+    """A client for `url`; raw bytes (keys are decoded per message, never by the connection).
+
+    The subscriber gets no read timeout (it waits for events) but a health check, so a half-open
+    socket is noticed.
+    """
+    options: dict[str, object] = {
+        # redis-py's default retries back off for up to a minute; callers here retry themselves
+        # (the listener with its own logged backoff), so fail fast and say so.
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        "socket_connect_timeout": 5,
+        "socket_timeout": None if pubsub else 10,
+        "health_check_interval": int(settings.health_check_interval_s),
+        "decode_responses": False,
+    }
+    if not url.startswith("unix:"):
+        options["socket_keepalive"] = True  # unix sockets have no keepalive
+    try:
+        return Redis.from_url(url, **options)
+    except ValueError as exc:
+        raise RedisUnavailableError(f"bad Redis URL {mask_url(url)}: {exc}") from None
