@@ -52,3 +52,23 @@ def spawn(
     thread = threading.Thread(target=supervised, name=f"keyexpiry-{name}", daemon=True)
     thread.start()
     return thread
+
+
+class Backoff:
+    """Capped exponential waits between retries of a failing step: `next_s()` gives the wait
+    and doubles it, `reset()` after a success."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self._initial_s = initial_s
+        self._max_s = max_s
+        self._next_s = initial_s
+
+    def next_s(self) -> float:
+        """The wait before the next try (doubled for the one after, up to the cap)."""
+        wait_s = self._next_s
+        self._next_s = min(wait_s * 2, self._max_s)
+        return wait_s
+
+    def reset(self) -> None:
+        """The step worked: the next failure waits the initial time again."""
+        self._next_s = self._initial_s

@@ -41,10 +41,10 @@ def _raise_once(owner: Any, name: str) -> threading.Event:
 # thread name -> (object holding the method, method) the thread calls every turn
 INJECT: dict[str, Callable[[Listener], tuple[Any, str]]] = {
     "subscriber": lambda li: (li, "handle_key"),
-    "claimer": lambda li: (li.dispatcher, "_claim_batch"),
-    "worker": lambda li: (li.dispatcher, "_lease_covers"),
-    "watchdog": lambda li: (li.dispatcher, "_fail_late_runs"),
-    "recorder": lambda li: (li.dispatcher.store, "record"),
+    "claimer": lambda li: (li.dispatcher.claimer, "_claim_batch"),
+    "worker": lambda li: (li.dispatcher.executor, "_lease_covers"),
+    "watchdog": lambda li: (li.dispatcher.watchdog, "_fail_late_runs"),
+    "recorder": lambda li: (li.rt.store, "record"),
     "driver": lambda li: (li.driver, "_step"),
     "reconcile": lambda li: (li, "_self_check"),
 }

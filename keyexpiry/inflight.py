@@ -1,0 +1,187 @@
+"""What is in flight between claim and record: the claimed runs, the outcomes waiting to be
+written, and the one condition that guards them (claimer, workers, watchdog and recorder share it).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from keyexpiry.clock import monotonic_s
+from keyexpiry.registry import TaskSpec
+from keyexpiry.store import Outcome, TaskRow
+
+# Claims may run ahead of the workers by about this much queued work, so the claimer's round trip
+# is paid per batch, not per worker slot; the queue stays short enough that a claim's lease
+# rarely needs extending before its handler starts.
+_QUEUE_TARGET_S = 0.25
+
+
+@dataclass(eq=False)
+class ClaimedRun:
+    """One claimed row on its way through a worker: its claim token, lease and timing."""
+
+    row: TaskRow
+    token: str
+    spec: TaskSpec
+    timeout_s: float
+    lease_until_ms: int
+    started_s: float | None = None
+    abandoned: bool = False
+    """Failed by the watchdog; whatever its thread returns later is discarded."""
+
+
+@dataclass
+class DispatchStats:
+    """Counters since start, for status output, tests and the benchmark."""
+
+    submitted: int = 0
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    timed_out: int = 0
+    not_claimed: int = 0
+    already_queued: int = 0
+    """Submissions dropped because the key was still waiting for its claim."""
+    leases_extended: int = 0
+    claims_lost: int = 0
+    ignored: int = 0
+    store_errors: int = 0
+    by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class InFlight:
+    """Claimed runs (queued or running) and outcomes not yet recorded, under one condition."""
+
+    def __init__(self, concurrency: int, claim_batch: int) -> None:
+        self.cond = threading.Condition()
+        self.runq: queue.SimpleQueue[ClaimedRun | None] = queue.SimpleQueue()
+        self.count = 0
+        """Claimed and not yet finished (queued or running)."""
+        self.running: dict[int, ClaimedRun] = {}
+        self.outcomes: list[Outcome] = []
+        self.recording = 0
+        """Outcomes taken by the recorder and not yet written."""
+        self._concurrency = concurrency
+        self._claim_batch = claim_batch
+        self._run_s_avg: float | None = None  # moving average of handler run time
+
+    def claim_limit(self) -> int:
+        """How many claimed runs may be in flight: the workers plus a short queue ahead of them.
+
+        The queue is sized from the measured run time so it holds about `_QUEUE_TARGET_S` of work:
+        hundreds for trivial handlers, none beyond the pool for slow ones.
+        """
+        workers = self._concurrency
+        avg = self._run_s_avg
+        if avg is None:
+            return workers * 2
+        ahead = int(workers * _QUEUE_TARGET_S / max(avg, 1e-4))
+        return workers + min(ahead, self._claim_batch)
+
+    def add_claimed(self, runs: list[ClaimedRun]) -> None:
+        """Queue freshly claimed runs for the workers."""
+        with self.cond:
+            self.count += len(runs)
+        for run in runs:
+            self.runq.put(run)
+
+    def started(self, run: ClaimedRun) -> None:
+        """A worker begins `run` (the watchdog now times it)."""
+        with self.cond:
+            run.started_s = monotonic_s()
+            self.running[run.row.id] = run
+
+    def dropped(self, count: int = 1) -> None:
+        """Claimed runs that will not run here (claim lost, released at shutdown)."""
+        with self.cond:
+            self.count -= count
+            self.cond.notify_all()
+
+    def finished(self, run: ClaimedRun, outcome: Outcome) -> bool:
+        """A run returned; queue its outcome. False when the watchdog already failed it."""
+        with self.cond:
+            if run.abandoned:
+                return False
+            self.running.pop(run.row.id, None)
+            self.count -= 1
+            self.outcomes.append(outcome)
+            assert run.started_s is not None
+            took_s = monotonic_s() - run.started_s
+            avg = self._run_s_avg
+            self._run_s_avg = took_s if avg is None else avg + 0.05 * (took_s - avg)
+            self.cond.notify_all()
+        return True
+
+    def broke(self, run: ClaimedRun) -> bool:
+        """Something around `run` raised: take it out of flight. False when it is already out
+        (failed by the watchdog, or its outcome queued before the error)."""
+        with self.cond:
+            if run.abandoned:
+                return False
+            if run.started_s is not None and run.row.id not in self.running:
+                return False
+            self.running.pop(run.row.id, None)
+            self.count -= 1
+            self.cond.notify_all()
+        return True
+
+    def take_late(self, now: float) -> tuple[list[ClaimedRun], float]:
+        """Runs past their timeout, marked abandoned and out of flight; and when the next
+        running one will be late."""
+        late: list[ClaimedRun] = []
+        next_deadline = now + 0.5
+        with self.cond:
+            for run in self.running.values():
+                assert run.started_s is not None
+                deadline = run.started_s + run.timeout_s
+                if deadline <= now:
+                    late.append(run)
+                else:
+                    next_deadline = min(next_deadline, deadline)
+            for run in late:
+                run.abandoned = True
+                self.running.pop(run.row.id, None)
+                self.count -= 1
+            if late:
+                self.cond.notify_all()
+        return late, next_deadline
+
+    def add_outcome(self, outcome: Outcome) -> None:
+        """Queue an outcome decided outside a worker (timeout, failure around a run)."""
+        with self.cond:
+            self.outcomes.append(outcome)
+            self.cond.notify_all()
+
+    def take_outcomes(self) -> list[Outcome]:
+        """Every queued outcome, now counted as being recorded."""
+        with self.cond:
+            batch, self.outcomes = self.outcomes, []
+            self.recording += len(batch)
+        return batch
+
+    def recorded(self, count: int) -> None:
+        """`count` outcomes taken by `take_outcomes` are written (or given up)."""
+        with self.cond:
+            self.recording -= count
+            self.cond.notify_all()
+
+    def put_back(self, batch: list[Outcome]) -> None:
+        """Outcomes whose write failed go back to the head of the queue."""
+        with self.cond:
+            self.outcomes[:0] = batch
+            self.recording -= len(batch)
+
+    def wait_outcomes(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for an outcome to record."""
+        with self.cond:
+            if not self.outcomes:
+                self.cond.wait(timeout_s)
+
+    def quiet(self) -> bool:
+        """Nothing claimed, running or waiting to be recorded."""
+        with self.cond:
+            return self.count == 0 and not self.outcomes and self.recording == 0
