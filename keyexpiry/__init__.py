@@ -5,8 +5,8 @@ from keyexpiry.context import TaskContext, current
 from keyexpiry.errors import DoNotRetry, KeyExpiryError, Retry
 from keyexpiry.listener import Listener
 from keyexpiry.registry import Registry, default_registry, exposed, task
+from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.settings import Settings
-from keyexpiry.store import TaskRow, TaskStatus
 
 __all__ = [
     "Client",

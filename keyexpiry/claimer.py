@@ -17,8 +17,8 @@ from keyexpiry.errors import KeyExpiryError, StoreError, UnknownTaskError
 from keyexpiry.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.keys import excerpt, parse_key
 from keyexpiry.registry import TaskSpec
+from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.runtime import Runtime
-from keyexpiry.store import TaskRow, TaskStatus
 from keyexpiry.threads import Backoff, ThreadErrors
 
 

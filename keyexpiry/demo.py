@@ -18,8 +18,8 @@ from keyexpiry.client import Client, TaskRequest
 from keyexpiry.embedded import stop_embedded_redis
 from keyexpiry.errors import ConfigError
 from keyexpiry.listener import Listener
+from keyexpiry.rows import TaskStatus
 from keyexpiry.settings import Settings
-from keyexpiry.store import TaskStatus
 
 DEMO_MODULES = ("tasks.orders", "tasks.auctions", "tasks.refunds")
 

@@ -14,8 +14,8 @@ from keyexpiry.clock import monotonic_s
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
 from keyexpiry.inflight import ClaimedRun, DispatchStats, InFlight
+from keyexpiry.rows import Outcome, TaskStatus
 from keyexpiry.runtime import Runtime
-from keyexpiry.store import Outcome, TaskStatus
 
 if TYPE_CHECKING:
     from loguru import Logger

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.registry import TaskSpec
-from keyexpiry.store import Outcome, TaskRow
+from keyexpiry.rows import Outcome, TaskRow
 
 # Claims may run ahead of the workers by about this much queued work, so the claimer's round trip
 # is paid per batch, not per worker slot; the queue stays short enough that a claim's lease

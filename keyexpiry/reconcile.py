@@ -14,8 +14,8 @@ from loguru import logger
 from keyexpiry import retries
 from keyexpiry.errors import UnknownTaskError
 from keyexpiry.keys import excerpt, task_class_of
+from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.runtime import Runtime
-from keyexpiry.store import TaskRow, TaskStatus
 
 PAGE_ROWS = 1000
 # A key whose remaining TTL differs from the ledger by more than this was changed by someone else.

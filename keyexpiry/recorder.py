@@ -12,8 +12,8 @@ from loguru import logger
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.inflight import DispatchStats, InFlight
+from keyexpiry.rows import Outcome, TaskStatus
 from keyexpiry.runtime import Runtime
-from keyexpiry.store import Outcome, TaskStatus
 from keyexpiry.threads import Backoff, ThreadErrors
 
 

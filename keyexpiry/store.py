@@ -1,4 +1,5 @@
-"""The SQL ledger: table `time_limit_task` and every query keyexpiry runs against it.
+"""Every query keyexpiry runs against the ledger (`time_limit_task`), each raising StoreError,
+never a driver exception.
 
 SQLAlchemy Core, no ORM: the hot paths are a handful of set-based statements (claim a batch of keys,
 record a batch of outcomes), and Core keeps them explicit and cheap.
@@ -13,279 +14,31 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any, TypeVar
 
-from loguru import logger
-from sqlalchemy import (
-    BigInteger,
-    Column,
-    Connection,
-    Engine,
-    Index,
-    Integer,
-    MetaData,
-    String,
-    Table,
-    Text,
-    UniqueConstraint,
-    bindparam,
-    create_engine,
-    event,
-    func,
-    inspect,
-    select,
-    update,
-)
-from sqlalchemy.dialects import mysql, sqlite
+from sqlalchemy import Connection, Engine, bindparam, func, inspect, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from keyexpiry import limits
 from keyexpiry.errors import StoreError
-from keyexpiry.keys import shorten
+from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
+from keyexpiry.rows import row_from_db as _row
 from keyexpiry.settings import mask_url
+from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task, upsert_statement
 
-
-class TaskStatus(StrEnum):
-    """Where a task is in its life."""
-
-    PENDING = "pending"
-    RUNNING = "running"
-    DONE = "done"
-    DEAD = "dead"
-    CANCELLED = "cancelled"
-
-
-TABLE_NAME = "time_limit_task"
-metadata = MetaData()
-# Keys are escaped to printable ASCII; a binary ASCII collation keeps them case-sensitive and lets
-# a 512-byte unique index fit InnoDB's limit.
-_KEY_TYPE = String(512).with_variant(
-    mysql.VARCHAR(512, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
-)
-_ID_TYPE = BigInteger().with_variant(Integer(), "sqlite")
-_TEXT_TYPE = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
-
-time_limit_task = Table(
-    TABLE_NAME,
-    metadata,
-    Column("id", _ID_TYPE, primary_key=True, autoincrement=True),
-    Column("task_key", _KEY_TYPE, nullable=False),
-    Column("class_name", String(128), nullable=False),
-    Column("method", String(128), nullable=False),
-    Column("args", _TEXT_TYPE, nullable=False),
-    Column("status", String(16), nullable=False),
-    Column("attempts", Integer, nullable=False),
-    Column("retry_schedule_s", Text, nullable=True),
-    Column("due_at_ms", BigInteger, nullable=False),
-    Column("created_at_ms", BigInteger, nullable=False),
-    Column("updated_at_ms", BigInteger, nullable=False),
-    Column("started_at_ms", BigInteger, nullable=True),
-    Column("finished_at_ms", BigInteger, nullable=True),
-    Column("claimed_by", String(96), nullable=True),
-    Column("lease_until_ms", BigInteger, nullable=True),
-    Column("last_error", _TEXT_TYPE, nullable=True),
-    Index("ix_time_limit_task_status_due", "status", "due_at_ms"),
-    Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
-    Index("ix_time_limit_task_claimed_by", "claimed_by"),
-    UniqueConstraint("task_key", name="uq_time_limit_task_key"),
-    mysql_engine="InnoDB",
-    mysql_charset="utf8mb4",
-    # sql/time_limit_task.sql must say the same; tests/test_ddl.py checks that it does.
-)
-T = time_limit_task
-
-
-@dataclass(frozen=True, slots=True)
-class TaskRow:
-    """One ledger row, times in epoch milliseconds on the shared (Redis) clock."""
-
-    id: int
-    key: str
-    class_name: str
-    method: str
-    args: tuple[str, ...]
-    status: TaskStatus
-    attempts: int
-    retry_schedule_s: tuple[float, ...] | None
-    due_at_ms: int
-    created_at_ms: int
-    updated_at_ms: int
-    started_at_ms: int | None
-    finished_at_ms: int | None
-    claimed_by: str | None
-    lease_until_ms: int | None
-    last_error: str | None
-    problem: str | None = None
-    """Why the row cannot run as stored (set only for rows written outside keyexpiry)."""
-
-    def to_json(self) -> dict[str, Any]:
-        """The `list --json` / `show --json` object: times as epoch seconds (float)."""
-
-        def sec(ms: int | None) -> float | None:
-            return None if ms is None else ms / 1000.0
-
-        return {
-            "key": self.key,
-            "class": self.class_name,
-            "method": self.method,
-            "args": list(self.args),
-            "status": str(self.status),
-            "attempts": self.attempts,
-            "due_at": sec(self.due_at_ms),
-            "created_at": sec(self.created_at_ms),
-            "started_at": sec(self.started_at_ms),
-            "finished_at": sec(self.finished_at_ms),
-            "claimed_by": self.claimed_by,
-            "last_error": self.last_error,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class NewTask:
-    """A row to insert or reschedule (the key is the identity)."""
-
-    key: str
-    class_name: str
-    method: str
-    args: tuple[str, ...]
-    due_at_ms: int
-    retry_schedule_s: tuple[float, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How one claimed run ended, to be recorded in a batch."""
-
-    task_id: int
-    key: str
-    token: str
-    status: TaskStatus
-    finished_at_ms: int | None
-    due_at_ms: int
-    last_error: str | None
-
-
-_LOCK_WAIT_MAX_S = 5
-
-
-def make_engine(url: str) -> Engine:
-    """An engine tuned for the ledger: SQLite in WAL mode with a busy timeout, MySQL pre-pinged."""
-    try:
-        if url.startswith("sqlite"):
-            engine = create_engine(
-                url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=10
-            )
-
-            @event.listens_for(engine, "connect")
-            def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-                cur = dbapi_conn.cursor()
-                # WAL lets the CLI read while the listener writes; NORMAL sync is safe in WAL.
-                cur.execute("PRAGMA journal_mode=WAL")
-                cur.execute("PRAGMA synchronous=NORMAL")
-                cur.close()
-
-            return engine
-        engine = create_engine(
-            url,
-            # No pre-ping (a round trip per checkout, on every create and claim): a statement
-            # that finds its connection dead is retried once on a fresh one instead (see
-            # `_retried`); every statement here is safe to repeat.
-            pool_pre_ping=False,
-            pool_reset_on_return=None,  # engine.begin() always ends the transaction itself
-            pool_recycle=1800,
-            pool_size=10,
-            # Claims touch only the rows they name; READ COMMITTED avoids gap locks between
-            # listeners claiming neighbouring keys.
-            isolation_level="READ COMMITTED",
-        )
-
-        @event.listens_for(engine, "connect")
-        def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
-            # keyexpiry's own transactions hold row locks for milliseconds: waiting the server's
-            # default 50 s on a row someone else locked would stall the claimer for that long
-            # (and again when it claims around the lock). A lower server setting is kept.
-            cur = dbapi_conn.cursor()
-            cur.execute(
-                "SET SESSION innodb_lock_wait_timeout = "
-                f"LEAST(@@GLOBAL.innodb_lock_wait_timeout, {_LOCK_WAIT_MAX_S})"
-            )
-            cur.close()
-
-        return engine
-    except (SQLAlchemyError, ImportError, ValueError) as exc:
-        raise StoreError(f"cannot use database {mask_url(url)}: {exc}") from None
-
-
-def _args(text: str) -> tuple[tuple[str, ...], str | None]:
-    """A row's arguments, or () and why they cannot be read (a row written by hand)."""
-    try:
-        args = json.loads(text)
-    except ValueError:
-        return (), "its args column is not JSON"
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        return (), "its args column is not a JSON list of strings"
-    return tuple(args), None
-
-
-def _schedule(r: Any) -> tuple[float, ...] | None:
-    """A row's retry schedule; one written with values keyexpiry would refuse (NaN, negative,
-    years) falls back to the method's and the settings' schedule, with a warning."""
-    if r.retry_schedule_s is None:
-        return None
-    try:
-        return limits.delays(json.loads(r.retry_schedule_s), "retry_schedule_s", StoreError)
-    except (ValueError, StoreError) as exc:
-        logger.bind(key=shorten(r.task_key, 80), attempt=r.attempts).warning(
-            "ledger row {} has an unusable retry schedule ({}); using the default", r.id, exc
-        )
-        return None
-
-
-def _row(r: Any) -> TaskRow:
-    args, problem = _args(r.args)
-    return TaskRow(
-        id=r.id,
-        key=r.task_key,
-        class_name=r.class_name,
-        method=r.method,
-        args=args,
-        status=TaskStatus(r.status),
-        attempts=r.attempts,
-        retry_schedule_s=_schedule(r),
-        due_at_ms=r.due_at_ms,
-        created_at_ms=r.created_at_ms,
-        updated_at_ms=r.updated_at_ms,
-        started_at_ms=r.started_at_ms,
-        finished_at_ms=r.finished_at_ms,
-        claimed_by=r.claimed_by,
-        lease_until_ms=r.lease_until_ms,
-        last_error=r.last_error,
-        problem=problem,
-    )
-
+__all__ = [
+    "TABLE_NAME",
+    "NewTask",
+    "Outcome",
+    "Store",
+    "T",
+    "TaskRow",
+    "TaskStatus",
+    "make_engine",
+    "metadata",
+    "time_limit_task",
+]
 
 R = TypeVar("R")
-_RESET_ON_CREATE = (
-    "args", "status", "attempts", "retry_schedule_s", "due_at_ms", "created_at_ms",
-    "updated_at_ms", "started_at_ms", "finished_at_ms", "claimed_by", "lease_until_ms",
-    "last_error",
-)  # fmt: skip
-"""What creating an existing key resets: it becomes a fresh pending task with a new due time."""
-
-
-def _upsert_statement(dialect: str) -> Any:
-    """INSERT … ON CONFLICT/DUPLICATE KEY UPDATE for `dialect`, built once per store."""
-    if dialect == "sqlite":
-        ins = sqlite.insert(T)
-        return ins.on_conflict_do_update(
-            index_elements=[T.c.task_key], set_={c: ins.excluded[c] for c in _RESET_ON_CREATE}
-        )
-    # Every column a bound value: PyMySQL folds an executemany into multi-row INSERTs only when
-    # the VALUES clause holds nothing but placeholders (a literal there means a round trip a row).
-    mins = mysql.insert(T)
-    return mins.on_duplicate_key_update({c: mins.inserted[c] for c in _RESET_ON_CREATE})
 
 
 _MYSQL_LOCK_WAIT_TIMEOUT = 1205  # ER_LOCK_WAIT_TIMEOUT: only the statement was rolled back
@@ -333,7 +86,7 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._upsert = _upsert_statement(engine.dialect.name)
+        self._upsert = upsert_statement(engine.dialect.name)
         self._url = mask_url(engine.url.render_as_string(hide_password=True))
         self._schema_lock = threading.Lock()
 

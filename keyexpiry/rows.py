@@ -1,0 +1,145 @@
+"""The ledger's rows as Python sees them: statuses, a task row, a task to create, an outcome to
+record; and the one function that reads a database row, whatever was written into it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from loguru import logger
+
+from keyexpiry import limits
+from keyexpiry.errors import StoreError
+from keyexpiry.keys import shorten
+
+
+class TaskStatus(StrEnum):
+    """Where a task is in its life."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRow:
+    """One ledger row, times in epoch milliseconds on the shared (Redis) clock."""
+
+    id: int
+    key: str
+    class_name: str
+    method: str
+    args: tuple[str, ...]
+    status: TaskStatus
+    attempts: int
+    retry_schedule_s: tuple[float, ...] | None
+    due_at_ms: int
+    created_at_ms: int
+    updated_at_ms: int
+    started_at_ms: int | None
+    finished_at_ms: int | None
+    claimed_by: str | None
+    lease_until_ms: int | None
+    last_error: str | None
+    problem: str | None = None
+    """Why the row cannot run as stored (set only for rows written outside keyexpiry)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The `list --json` / `show --json` object: times as epoch seconds (float)."""
+
+        def sec(ms: int | None) -> float | None:
+            return None if ms is None else ms / 1000.0
+
+        return {
+            "key": self.key,
+            "class": self.class_name,
+            "method": self.method,
+            "args": list(self.args),
+            "status": str(self.status),
+            "attempts": self.attempts,
+            "due_at": sec(self.due_at_ms),
+            "created_at": sec(self.created_at_ms),
+            "started_at": sec(self.started_at_ms),
+            "finished_at": sec(self.finished_at_ms),
+            "claimed_by": self.claimed_by,
+            "last_error": self.last_error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class NewTask:
+    """A row to insert or reschedule (the key is the identity)."""
+
+    key: str
+    class_name: str
+    method: str
+    args: tuple[str, ...]
+    due_at_ms: int
+    retry_schedule_s: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one claimed run ended, to be recorded in a batch."""
+
+    task_id: int
+    key: str
+    token: str
+    status: TaskStatus
+    finished_at_ms: int | None
+    due_at_ms: int
+    last_error: str | None
+
+
+def _args(text: str) -> tuple[tuple[str, ...], str | None]:
+    """A row's arguments, or () and why they cannot be read (a row written by hand)."""
+    try:
+        args = json.loads(text)
+    except ValueError:
+        return (), "its args column is not JSON"
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        return (), "its args column is not a JSON list of strings"
+    return tuple(args), None
+
+
+def _schedule(r: Any) -> tuple[float, ...] | None:
+    """A row's retry schedule; one written with values keyexpiry would refuse (NaN, negative,
+    years) falls back to the method's and the settings' schedule, with a warning."""
+    if r.retry_schedule_s is None:
+        return None
+    try:
+        return limits.delays(json.loads(r.retry_schedule_s), "retry_schedule_s", StoreError)
+    except (ValueError, StoreError) as exc:
+        logger.bind(key=shorten(r.task_key, 80), attempt=r.attempts).warning(
+            "ledger row {} has an unusable retry schedule ({}); using the default", r.id, exc
+        )
+        return None
+
+
+def row_from_db(r: Any) -> TaskRow:
+    """A TaskRow from a result row; a row written outside keyexpiry never makes this raise
+    (what cannot run is kept in `problem`)."""
+    args, problem = _args(r.args)
+    return TaskRow(
+        id=r.id,
+        key=r.task_key,
+        class_name=r.class_name,
+        method=r.method,
+        args=args,
+        status=TaskStatus(r.status),
+        attempts=r.attempts,
+        retry_schedule_s=_schedule(r),
+        due_at_ms=r.due_at_ms,
+        created_at_ms=r.created_at_ms,
+        updated_at_ms=r.updated_at_ms,
+        started_at_ms=r.started_at_ms,
+        finished_at_ms=r.finished_at_ms,
+        claimed_by=r.claimed_by,
+        lease_until_ms=r.lease_until_ms,
+        last_error=r.last_error,
+        problem=problem,
+    )

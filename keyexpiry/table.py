@@ -1,0 +1,137 @@
+"""Table `time_limit_task`: its columns and indexes (sql/time_limit_task.sql says the same), the
+engine tuned for it, and the create-or-reschedule upsert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Engine,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.dialects import mysql, sqlite
+from sqlalchemy.exc import SQLAlchemyError
+
+from keyexpiry.errors import StoreError
+from keyexpiry.settings import mask_url
+
+TABLE_NAME = "time_limit_task"
+metadata = MetaData()
+# Keys are escaped to printable ASCII; a binary ASCII collation keeps them case-sensitive and lets
+# a 512-byte unique index fit InnoDB's limit.
+_KEY_TYPE = String(512).with_variant(
+    mysql.VARCHAR(512, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
+)
+_ID_TYPE = BigInteger().with_variant(Integer(), "sqlite")
+_TEXT_TYPE = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
+
+time_limit_task = Table(
+    TABLE_NAME,
+    metadata,
+    Column("id", _ID_TYPE, primary_key=True, autoincrement=True),
+    Column("task_key", _KEY_TYPE, nullable=False),
+    Column("class_name", String(128), nullable=False),
+    Column("method", String(128), nullable=False),
+    Column("args", _TEXT_TYPE, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("retry_schedule_s", Text, nullable=True),
+    Column("due_at_ms", BigInteger, nullable=False),
+    Column("created_at_ms", BigInteger, nullable=False),
+    Column("updated_at_ms", BigInteger, nullable=False),
+    Column("started_at_ms", BigInteger, nullable=True),
+    Column("finished_at_ms", BigInteger, nullable=True),
+    Column("claimed_by", String(96), nullable=True),
+    Column("lease_until_ms", BigInteger, nullable=True),
+    Column("last_error", _TEXT_TYPE, nullable=True),
+    Index("ix_time_limit_task_status_due", "status", "due_at_ms"),
+    Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
+    Index("ix_time_limit_task_claimed_by", "claimed_by"),
+    UniqueConstraint("task_key", name="uq_time_limit_task_key"),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+    # sql/time_limit_task.sql must say the same; tests/test_ddl.py checks that it does.
+)
+T = time_limit_task
+
+
+_LOCK_WAIT_MAX_S = 5
+
+
+def make_engine(url: str) -> Engine:
+    """An engine tuned for the ledger: SQLite in WAL mode with a busy timeout, MySQL pre-pinged."""
+    try:
+        if url.startswith("sqlite"):
+            engine = create_engine(
+                url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=10
+            )
+
+            @event.listens_for(engine, "connect")
+            def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+                cur = dbapi_conn.cursor()
+                # WAL lets the CLI read while the listener writes; NORMAL sync is safe in WAL.
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.close()
+
+            return engine
+        engine = create_engine(
+            url,
+            # No pre-ping (a round trip per checkout, on every create and claim): a statement
+            # that finds its connection dead is retried once on a fresh one instead (see
+            # `_retried`); every statement here is safe to repeat.
+            pool_pre_ping=False,
+            pool_reset_on_return=None,  # engine.begin() always ends the transaction itself
+            pool_recycle=1800,
+            pool_size=10,
+            # Claims touch only the rows they name; READ COMMITTED avoids gap locks between
+            # listeners claiming neighbouring keys.
+            isolation_level="READ COMMITTED",
+        )
+
+        @event.listens_for(engine, "connect")
+        def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
+            # keyexpiry's own transactions hold row locks for milliseconds: waiting the server's
+            # default 50 s on a row someone else locked would stall the claimer for that long
+            # (and again when it claims around the lock). A lower server setting is kept.
+            cur = dbapi_conn.cursor()
+            cur.execute(
+                "SET SESSION innodb_lock_wait_timeout = "
+                f"LEAST(@@GLOBAL.innodb_lock_wait_timeout, {_LOCK_WAIT_MAX_S})"
+            )
+            cur.close()
+
+        return engine
+    except (SQLAlchemyError, ImportError, ValueError) as exc:
+        raise StoreError(f"cannot use database {mask_url(url)}: {exc}") from None
+
+
+_RESET_ON_CREATE = (
+    "args", "status", "attempts", "retry_schedule_s", "due_at_ms", "created_at_ms",
+    "updated_at_ms", "started_at_ms", "finished_at_ms", "claimed_by", "lease_until_ms",
+    "last_error",
+)  # fmt: skip
+"""What creating an existing key resets: it becomes a fresh pending task with a new due time."""
+
+
+def upsert_statement(dialect: str) -> Any:
+    """INSERT … ON CONFLICT/DUPLICATE KEY UPDATE for `dialect`, built once per store."""
+    if dialect == "sqlite":
+        ins = sqlite.insert(T)
+        return ins.on_conflict_do_update(
+            index_elements=[T.c.task_key], set_={c: ins.excluded[c] for c in _RESET_ON_CREATE}
+        )
+    # Every column a bound value: PyMySQL folds an executemany into multi-row INSERTs only when
+    # the VALUES clause holds nothing but placeholders (a literal there means a round trip a row).
+    mins = mysql.insert(T)
+    return mins.on_duplicate_key_update({c: mins.inserted[c] for c in _RESET_ON_CREATE})
