@@ -1,0 +1,92 @@
+"""Reconciliation's ledger queries: pending rows page by page, upcoming and overdue due times,
+expired leases and their requeue."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select, update
+
+from keyexpiry.ledger import Ledger, retried_once
+from keyexpiry.rows import TaskRow, TaskStatus
+from keyexpiry.rows import row_from_db as _row
+from keyexpiry.table import T
+
+
+class ScanQueries(Ledger):
+    """Scans on the (status, due_at_ms) and (status, lease_until_ms) indexes."""
+
+    @retried_once
+    def pending_page(self, *, after_id: int, limit: int) -> list[TaskRow]:
+        """Pending rows with id > `after_id`, by id (keyset pagination, no OFFSET scans)."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T)
+                .where(T.c.status == TaskStatus.PENDING.value, T.c.id > after_id)
+                .order_by(T.c.id)
+                .limit(limit)
+            ).all()
+        return [_row(r) for r in rows]
+
+    @retried_once
+    def upcoming(self, *, after_ms: int, upto_ms: int, limit: int) -> list[tuple[str, int]]:
+        """(key, due) of pending rows due in (after_ms, upto_ms], earliest first."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T.c.task_key, T.c.due_at_ms)
+                .where(
+                    T.c.status == TaskStatus.PENDING.value,
+                    T.c.due_at_ms > after_ms,
+                    T.c.due_at_ms <= upto_ms,
+                )
+                .order_by(T.c.due_at_ms)
+                .limit(limit)
+            ).all()
+        return [(str(k), int(d)) for k, d in rows]
+
+    @retried_once
+    def overdue(self, *, now_ms: int, limit: int) -> list[tuple[str, int]]:
+        """(key, due) of pending rows due at or before `now_ms`, earliest first."""
+        return self.upcoming(after_ms=-(2**62), upto_ms=now_ms, limit=limit)
+
+    @retried_once
+    def count_pending(self) -> int:
+        """How many rows are pending."""
+        with self._tx() as conn:
+            n = conn.execute(
+                select(func.count()).where(T.c.status == TaskStatus.PENDING.value)
+            ).scalar_one()
+        return int(n)
+
+    @retried_once
+    def expired_leases(self, now_ms: int, limit: int = 1000) -> list[TaskRow]:
+        """Running rows whose lease has run out: the listener running them is gone."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T)
+                .where(T.c.status == TaskStatus.RUNNING.value, T.c.lease_until_ms < now_ms)
+                .order_by(T.c.lease_until_ms)
+                .limit(limit)
+            ).all()
+        return [_row(r) for r in rows]
+
+    @retried_once
+    def requeue_lost(self, row: TaskRow, *, status: TaskStatus, error: str, now_ms: int) -> bool:
+        """Move a lease-expired run to pending (due now) or dead; False if someone else did."""
+        with self._tx() as conn:
+            result = conn.execute(
+                update(T)
+                .where(
+                    T.c.id == row.id,
+                    T.c.status == TaskStatus.RUNNING.value,
+                    T.c.claimed_by == row.claimed_by,
+                    T.c.lease_until_ms < now_ms,
+                )
+                .values(
+                    status=status.value,
+                    due_at_ms=now_ms if status is TaskStatus.PENDING else row.due_at_ms,
+                    finished_at_ms=now_ms if status is TaskStatus.DEAD else None,
+                    lease_until_ms=None,
+                    last_error=error,
+                    updated_at_ms=now_ms,
+                )
+            )
+        return bool(result.rowcount)
