@@ -378,6 +378,41 @@ def bench(
     typer.echo(f"figures written to {out}")
 
 
+embedded_app = typer.Typer(help="The embedded redis-server (the default when no Redis URL is set).")
+app.add_typer(embedded_app, name="embedded")
+
+
+@embedded_app.command("status")
+@_errors
+def embedded_status(ctx: typer.Context) -> None:
+    """Say whether the embedded redis-server for the state dir is running, and where."""
+    from keyexpiry.embedded import is_running, socket_path
+
+    settings = _settings(ctx)
+    if not settings.embedded_redis:
+        typer.echo("no embedded redis-server in use (KEYEXPIRY_REDIS_URL is set)")
+        return
+    sock = socket_path(settings.state_dir)
+    state = "running" if is_running(settings.state_dir) else "not running"
+    typer.echo(f"embedded redis-server {state} (socket {sock}, state dir {settings.state_dir})")
+
+
+@embedded_app.command("stop")
+@_errors
+def embedded_stop(ctx: typer.Context) -> None:
+    """Stop the embedded redis-server for the state dir (its data is saved)."""
+    from keyexpiry.embedded import stop_embedded_redis
+
+    settings = _settings(ctx)
+    if not settings.embedded_redis:
+        typer.echo("no embedded redis-server in use (KEYEXPIRY_REDIS_URL is set)")
+        return
+    stopped = stop_embedded_redis(settings.state_dir)
+    typer.echo(
+        "embedded redis-server stopped" if stopped else "embedded redis-server was not running"
+    )
+
+
 def main() -> None:
     """Console entry point."""
     app()

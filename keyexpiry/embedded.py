@@ -13,13 +13,21 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import quote
 
 import redis
+from loguru import logger
+from redis.backoff import AbstractBackoff, NoBackoff
+from redis.retry import Retry
 
 from keyexpiry.errors import EmbeddedServerError
 
+T = TypeVar("T")
 _SOCKET_MAX = 100  # sun_path is 108 bytes; leave room for the terminator
 
 
@@ -49,14 +57,94 @@ def socket_path(state_dir: Path) -> Path:
 
 
 def embedded_url(state_dir: Path) -> str:
-    """The redis-py URL of the embedded server."""
-    return f"unix://{socket_path(state_dir)}?db=0"
+    """The redis-py URL of the embedded server (the path percent-encoded: redis-py decodes it,
+    so spaces, `%` and `?` in the state dir survive)."""
+    return f"unix://{quote(str(socket_path(state_dir)))}?db=0"
+
+
+def _conf_path(path: Path) -> str:
+    """`path` as one redis.conf argument: double-quoted, backslashes and quotes escaped (the
+    config parser splits on spaces otherwise). A line break cannot be written at all."""
+    text = str(path)
+    if "\n" in text or "\r" in text or "\0" in text:
+        raise EmbeddedServerError(
+            f"the state dir {text!r} contains a line break or NUL: choose another --state-dir"
+        )
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def is_running(state_dir: Path) -> bool:
+    """Whether the embedded server for `state_dir` answers."""
+    return _alive(socket_path(state_dir))
+
+
+_RESTART_CHECK_S = 0.5
+_restart_lock = threading.Lock()
+_restart_checked: dict[Path, float] = {}
+
+
+class RestartingRetry(Retry):
+    """redis-py's retry for the embedded server: a refused connection starts the server again
+    before the next try, whichever thread hits it first (nothing else would restart it, and
+    without it no task runs). Its data comes back from the append-only file; the listener's
+    reconciliation after the reconnect re-arms whatever did not."""
+
+    def __init__(self, state_dir: Path, backoff: AbstractBackoff, retries: int) -> None:
+        # OSError too: a refused connect surfaces as ConnectionRefusedError inside the retry.
+        errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        super().__init__(backoff, retries, supported_errors=errors)
+        self.state_dir = state_dir  # only a path: redis-py deep-copies the retry per connection
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        """redis-py's retry loop, starting the server again on a refused connection."""
+
+        def failed(error: Exception, *count: int) -> Any:
+            if isinstance(error, redis.ConnectionError | OSError):
+                keep_running(self.state_dir)
+            return fail(error, *count)
+
+        return super().call_with_retry(do, failed, is_retryable, with_failure_count)
+
+
+def keep_running(state_dir: Path) -> None:
+    """Start the embedded server again if it is down (checked at most every 0.5 s per dir)."""
+    with _restart_lock:
+        now = time.monotonic()
+        if now - _restart_checked.get(state_dir, -1e9) < _RESTART_CHECK_S:
+            return
+        _restart_checked[state_dir] = now
+        try:
+            if restart_if_down(state_dir):
+                logger.warning("the embedded redis-server was not running: started it again")
+        except EmbeddedServerError as exc:
+            logger.error("could not restart the embedded redis-server: {}", exc)
+
+
+def restart_if_down(state_dir: Path) -> bool:
+    """Start the embedded server again if it is not answering (killed, crashed, stopped);
+    True when it was started. A listener calls this after losing its connection."""
+    if _alive(socket_path(state_dir)):
+        return False
+    ensure_embedded_redis(state_dir)
+    return True
 
 
 def _alive(sock: Path) -> bool:
     if not sock.exists():
         return False
-    client = redis.Redis(unix_socket_path=str(sock), socket_connect_timeout=1, socket_timeout=2)
+    # No retries: redis-py's default would spend seconds backing off on a dead socket.
+    client = redis.Redis(
+        unix_socket_path=str(sock),
+        socket_connect_timeout=1,
+        socket_timeout=2,
+        retry=Retry(NoBackoff(), 0),
+    )
     try:
         return bool(client.ping())
     except (redis.ConnectionError, redis.TimeoutError, OSError):
@@ -82,12 +170,12 @@ def ensure_embedded_redis(state_dir: Path, *, start_timeout_s: float = 15.0) -> 
             "\n".join(
                 [
                     "port 0",
-                    f"unixsocket {sock}",
+                    f"unixsocket {_conf_path(sock)}",
                     "unixsocketperm 700",
-                    f"dir {state_dir.resolve()}",
+                    f"dir {_conf_path(state_dir.resolve())}",
                     "daemonize yes",
-                    f"pidfile {state_dir.resolve() / 'redis.pid'}",
-                    f"logfile {state_dir.resolve() / 'redis.log'}",
+                    f"pidfile {_conf_path(state_dir.resolve() / 'redis.pid')}",
+                    f"logfile {_conf_path(state_dir.resolve() / 'redis.log')}",
                     # E: keyevent channel, x: expired events; the listener's whole input.
                     "notify-keyspace-events Ex",
                     # Eviction would remove task keys and announce `evicted`, never `expired`.

@@ -21,7 +21,7 @@ from redis.retry import Retry
 
 from keyexpiry.arming import arm_keys, redis_db
 from keyexpiry.clock import RedisClock
-from keyexpiry.embedded import ensure_embedded_redis
+from keyexpiry.embedded import RestartingRetry, ensure_embedded_redis
 from keyexpiry.errors import RedisUnavailableError
 from keyexpiry.registry import Registry, default_registry
 from keyexpiry.settings import Settings, mask_url
@@ -115,10 +115,14 @@ def redis_client(url: str, settings: Settings, *, pubsub: bool = False) -> Redis
     The subscriber gets no read timeout (it waits for events) but a health check, so a half-open
     socket is noticed.
     """
+    # redis-py's default retries back off for up to a minute; callers here retry themselves
+    # (the listener with its own logged backoff), so fail fast and say so.
+    backoff = ExponentialBackoff(cap=0.5, base=0.05)
+    retry = (
+        Retry(backoff, 2) if settings.redis_url else RestartingRetry(settings.state_dir, backoff, 2)
+    )
     options: dict[str, object] = {
-        # redis-py's default retries back off for up to a minute; callers here retry themselves
-        # (the listener with its own logged backoff), so fail fast and say so.
-        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        "retry": retry,
         "socket_connect_timeout": 5,
         "socket_timeout": None if pubsub else 10,
         "health_check_interval": int(settings.health_check_interval_s),
