@@ -1,0 +1,208 @@
+"""The subscription: connect (checks, confirmed subscribe), read messages, reconnect with backoff.
+
+A gap in the connection (redis-py reconnects silently, or we rebuild it) always ends in a
+reconciliation: whatever expired meanwhile is found in the ledger.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from loguru import logger
+
+from keyexpiry.errors import RedisConfigError
+from keyexpiry.health import Health
+from keyexpiry.keys import evicted_channel, expired_channel, wake_channel
+from keyexpiry.redis_server import (
+    REPLICA_PROBLEM,
+    check_notifications,
+    config_value,
+    describe_redis_error,
+    eviction_warning,
+    subscribe_confirmed,
+)
+from keyexpiry.runtime import Runtime
+from keyexpiry.threads import Backoff, ThreadErrors
+
+CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_MAX_MESSAGES_PER_STEP = 5000
+
+
+class Rebuild(redis.ConnectionError):
+    """Raised by `step()` to make `serve` drop the subscription and connect afresh."""
+
+
+class Handlers:
+    """Where messages go: looked up at each message, so a listener's handlers can be wrapped."""
+
+    def __init__(
+        self,
+        key: Callable[[bytes], None],
+        evicted: Callable[[bytes], None],
+        wake: Callable[[bytes], None],
+    ) -> None:
+        self.key, self.evicted, self.wake = key, evicted, wake
+
+
+class Subscription:
+    """One pub/sub connection to `expired`, `evicted` and the wake channel, kept alive."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        health: Health,
+        handlers: Handlers,
+        *,
+        stop: threading.Event,
+        request_reconcile: Callable[[str], None],
+        errors: ThreadErrors,
+    ) -> None:
+        self.rt = rt
+        self._health = health
+        self._handlers = handlers
+        self._stop = stop
+        self._request_reconcile = request_reconcile
+        self._errors = errors
+        db = rt.db
+        self.channel = expired_channel(db)
+        self.evicted_channel = evicted_channel(db)
+        self.wake_channel = wake_channel(db, rt.settings.key_prefix)
+        self._evicted_bytes = self.evicted_channel.encode()
+        self._wake_bytes = self.wake_channel.encode()
+        self._pubsub: Any = None
+        self._gap = threading.Event()
+        self.connected_once = False
+        self.gaps = 0
+
+    def serve(self) -> None:
+        """Connect and read until `stop`; never returns on an outage, only on stop (or on a
+        configuration error at the very first connect, which retrying cannot fix)."""
+        settings = self.rt.settings
+        backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
+        health = self._health
+        while not self._stop.is_set():
+            try:
+                self.connect()
+                backoff.reset()
+                while not self._stop.is_set():
+                    self.step(timeout_s=0.2)
+            except CONNECTION_ERRORS as exc:
+                health.subscribed.clear()
+                self.close()
+                if self._stop.is_set():
+                    break
+                self.gaps += 1
+                health.connection_gap()
+                wait_s = backoff.next_s()
+                if isinstance(exc, Rebuild):
+                    logger.info("rebuilding the subscription")
+                elif isinstance(exc, redis.AuthenticationError):
+                    # A disabled or deleted ACL user, a rotated password: an outage like any
+                    # other (it may be undone), so back off and retry, and say what it is.
+                    health.problem = describe_redis_error(exc)
+                    logger.error("{}; retrying in {:.1f} s", health.problem, wait_s)
+                else:
+                    logger.error("Redis connection lost ({}); retrying in {:.1f} s", exc, wait_s)
+                self._stop.wait(wait_s)
+            except RedisConfigError as exc:
+                if not self.connected_once:
+                    raise
+                # Logged once; retried quietly until fixed (e.g. a demoted master promoted back).
+                if health.problem != str(exc):
+                    health.problem = str(exc)
+                    logger.error("{}; retrying until it is fixed", exc)
+                health.events_arriving = False
+                self._pause(backoff.next_s())
+            except Exception:
+                # A bug or an unexpected reply must not end the listener: log it, start over.
+                self._errors.add("subscriber")
+                logger.exception("unexpected error in the listener loop; reconnecting")
+                self._pause(backoff.next_s())
+
+    def _pause(self, seconds: float) -> None:
+        self._health.subscribed.clear()
+        self.close()
+        self._stop.wait(seconds)
+
+    def connect(self) -> None:
+        """Check the server, subscribe (confirmed), arm sentinels, ask for a reconciliation."""
+        client, settings, health = self.rt.redis, self.rt.settings, self._health
+        warning = check_notifications(client, configure=settings.configure_redis)
+        if warning:
+            logger.warning(warning)
+        # CONFIG blocked (None): eviction cannot be ruled out.
+        health.eviction_possible = config_value(client, "maxmemory-policy") != "noeviction"
+        eviction = eviction_warning(client)
+        if eviction:
+            logger.warning(eviction)
+        self.rt.clock.sync()
+        pubsub: Any = self.rt.subscriber().pubsub()  # type: ignore[no-untyped-call]
+        self._pubsub = pubsub
+        channels = [self.channel, self.evicted_channel]
+        if settings.driver:
+            channels.append(self.wake_channel)
+        subscribe_confirmed(pubsub, channels)
+        # redis-py silently reconnects and re-subscribes a dropped pubsub connection; this
+        # callback is how we learn of that gap.
+        pubsub.connection.register_connect_callback(self._on_reconnect)
+        health.subscribed.set()
+        health.arm_sentinels(fresh=False)
+        reason = "reconnect" if self.connected_once else "start-up"
+        self.connected_once = True
+        logger.info("subscribed to {} ({})", self.channel, reason)
+        # A replica is over once events flow again (the canary): ROLE may be blocked by ACL.
+        if health.problem is not None and health.problem != REPLICA_PROBLEM:
+            logger.warning("Redis serves this listener again (was: {})", health.problem)
+            health.problem = None
+        self._request_reconcile(reason)
+
+    def step(self, timeout_s: float) -> int:
+        """Handle the messages that arrive within `timeout_s`; return how many were read."""
+        health = self._health
+        if health.reconnect_wanted:
+            health.reconnect_wanted = False
+            raise Rebuild("rebuilding the subscription")
+        if self._gap.is_set():
+            self._gap.clear()
+            self.gaps += 1
+            health.connection_gap()
+            logger.warning(
+                "subscription was re-established after a dropped connection; "
+                "reconciling what may have expired in the gap"
+            )
+            self._request_reconcile("reconnect")
+        pubsub = self._pubsub
+        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
+        count = 0
+        while msg is not None:
+            count += 1
+            if msg.get("type") == "message":
+                if msg["channel"] == self._wake_bytes:
+                    self._handlers.wake(msg["data"])
+                elif msg["channel"] == self._evicted_bytes:
+                    self._handlers.evicted(msg["data"])
+                else:
+                    self._handlers.key(msg["data"])
+            if count >= _MAX_MESSAGES_PER_STEP:
+                break  # a message read is always handled; the rest waits for the next step
+            msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+        return count
+
+    def _on_reconnect(self, _connection: object) -> None:
+        self._gap.set()
+
+    def close(self) -> None:
+        """Drop the pub/sub connection (safe to call when there is none)."""
+        if self._pubsub is not None:
+            try:
+                # The connection goes back to the pool with its callbacks: without this, the
+                # next subscription's first connect would be taken for a dropped connection.
+                if self._pubsub.connection is not None:
+                    self._pubsub.connection.deregister_connect_callback(self._on_reconnect)
+                self._pubsub.close()
+            except Exception:
+                pass
+            self._pubsub = None
