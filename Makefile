@@ -32,13 +32,13 @@ servers:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server mariadb-server faketime; }
 
 lint: $(STAMP)
-	$(BIN)/ruff check keyexpiry tasks tests bench
-	$(BIN)/ruff format --check keyexpiry tasks tests bench
+	$(BIN)/ruff check keyexpiry tasks tests
+	$(BIN)/ruff format --check keyexpiry tasks tests
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff format keyexpiry tasks tests bench
-	$(BIN)/ruff check --fix keyexpiry tasks tests bench
+	$(BIN)/ruff format keyexpiry tasks tests
+	$(BIN)/ruff check --fix keyexpiry tasks tests
 
 ## test: the whole suite against real servers (installs what it needs)
 test: $(STAMP) servers lint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import shutil
 import sys
 import tempfile
@@ -10,6 +11,7 @@ import threading
 import time
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import typer
 from sqlalchemy import select
@@ -21,17 +23,18 @@ from keyexpiry.listener import Listener
 from keyexpiry.rows import TaskStatus
 from keyexpiry.settings import Settings
 
-DEMO_MODULES = ("tasks.orders", "tasks.auctions", "tasks.refunds")
+DEMO_MODULES = (
+    "keyexpiry.examples.orders",
+    "keyexpiry.examples.auctions",
+    "keyexpiry.examples.refunds",
+)
+"""The repository's tasks/, shipped in the wheel as keyexpiry.examples."""
 
 
 def run_demo(settings: Settings, *, timeout_s: float = 60.0) -> bool:
     """Create example tasks due in seconds, run a listener until they all ran, print the result."""
-    try:
-        from tasks import schema
-    except ImportError:
-        raise ConfigError(
-            "the demo uses the example tasks in tasks/: run it from the repository root"
-        ) from None
+    # Imported by name: in the wheel (and an editable install) tasks/ is keyexpiry.examples.
+    schema: Any = importlib.import_module("keyexpiry.examples.schema")
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     own_dir = settings.state_dir
     temp = Path(tempfile.mkdtemp(prefix="keyexpiry-demo-"))

@@ -6,7 +6,8 @@ from loguru import logger
 from sqlalchemy import select, update
 
 from keyexpiry import DoNotRetry, current, exposed, task
-from tasks.schema import auction, ensure_demo_schema
+
+from .schema import auction, ensure_demo_schema
 
 
 @task

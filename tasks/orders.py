@@ -6,7 +6,8 @@ from loguru import logger
 from sqlalchemy import select, update
 
 from keyexpiry import current, exposed, task
-from tasks.schema import ensure_demo_schema, order
+
+from .schema import ensure_demo_schema, order
 
 
 @task

@@ -8,7 +8,8 @@ from loguru import logger
 from sqlalchemy import update
 
 from keyexpiry import current, exposed, task
-from tasks.schema import after_sale, ensure_demo_schema
+
+from .schema import after_sale, ensure_demo_schema
 
 
 @task

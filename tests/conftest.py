@@ -23,7 +23,7 @@ from typing import Protocol
 
 import pytest
 
-from tests.servers import MariaDBServer, RedisServer, find_binary
+from keyexpiry.bench.servers import MariaDBServer, RedisServer, find_binary
 
 # keyexpiry-level fixtures (settings, client, start_listener) live in tests/ke.py.
 pytest_plugins = ["tests.ke", "tests.reliability"]

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from keyexpiry import Client, Listener, Settings
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.store import TaskRow, TaskStatus
 from tests import sample_tasks
-from tests.servers import wait_until
 
 FAST = {
     "retry_schedule_s": (0.05, 0.05),

@@ -24,7 +24,7 @@ from typing import Literal, Self
 
 from sqlalchemy.engine import make_url
 
-from tests.servers import LOOPBACK
+from keyexpiry.bench.servers import LOOPBACK
 
 _COM_QUERY = 0x03
 _HEADER = 4  # 3-byte little-endian payload length, 1-byte sequence number

@@ -6,9 +6,9 @@ import pytest
 import redis
 
 from keyexpiry.arming import WAKE_MAX_BYTES, arm_keys, parse_wake
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.keys import MAX_KEY_BYTES, wake_channel
 from keyexpiry.settings import Settings
-from tests.servers import wait_until
 
 
 @pytest.mark.parametrize("n", [3, 2500], ids=["pipeline", "script"])

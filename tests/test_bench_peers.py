@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from bench.peers import WARMUP, Run, figures, parse
+from keyexpiry.bench.peers import WARMUP, Run, figures, parse
 
 
 def test_parse_skips_a_line_the_consumer_is_still_writing() -> None:

@@ -14,9 +14,9 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.store import Store, TaskStatus, make_engine
-from tests.servers import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

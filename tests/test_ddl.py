@@ -6,8 +6,8 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, inspect, text
 
+from keyexpiry.bench.servers import MariaDBServer
 from keyexpiry.store import NewTask, Store, TaskStatus, make_engine, metadata
-from tests.servers import MariaDBServer
 
 DDL = Path(__file__).resolve().parents[1] / "sql" / "time_limit_task.sql"
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.store import TaskStatus
 from tests import sample_tasks
 from tests.ke import wait_status
-from tests.servers import wait_until
 
 
 def test_a_key_seen_twice_before_its_claim_is_claimed_once_and_can_be_queued_again(

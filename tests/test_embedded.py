@@ -13,12 +13,12 @@ import pytest
 from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.embedded import is_running, stop_embedded_redis
 from keyexpiry.store import TaskStatus
 from tests import sample_tasks
 from tests.ke import FAST, Running, wait_status
-from tests.servers import wait_until
 
 
 @pytest.fixture

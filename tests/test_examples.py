@@ -6,14 +6,14 @@ import datetime as dt
 from collections.abc import Callable
 from decimal import Decimal
 
+import keyexpiry.examples.auctions
+import keyexpiry.examples.orders
+import keyexpiry.examples.refunds
+from keyexpiry.examples import schema
 from sqlalchemy import select
 
-import tasks.auctions
-import tasks.orders
-import tasks.refunds
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.store import TaskStatus
-from tasks import schema
 from tests.ke import Running, wait_status
 
 
@@ -28,9 +28,9 @@ def test_examples_change_business_data_once_and_tolerate_reruns(
     at = dt.datetime.now(dt.UTC) + dt.timedelta(milliseconds=200)
     keys = client.create_many(
         [
-            TaskRequest(tasks.orders.OrderTimeout.close_unpaid, (218,), ttl_ms=50),
-            TaskRequest(tasks.orders.OrderTimeout.close_unpaid, (219,), ttl_ms=50),
-            TaskRequest(tasks.orders.OrderTimeout.close_unpaid, (999,), ttl_ms=50),
+            TaskRequest(keyexpiry.examples.orders.OrderTimeout.close_unpaid, (218,), ttl_ms=50),
+            TaskRequest(keyexpiry.examples.orders.OrderTimeout.close_unpaid, (219,), ttl_ms=50),
+            TaskRequest(keyexpiry.examples.orders.OrderTimeout.close_unpaid, (999,), ttl_ms=50),
             TaskRequest("ReceiptConfirm.auto_confirm", (219,), ttl_ms=100),
             TaskRequest("AuctionEnd.end", (42,), at=at),
             TaskRequest("AuctionEnd.end", (404,), ttl_ms=50),

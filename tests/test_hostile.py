@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
 from keyexpiry.arming import WAKE_MAX_BYTES
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.errors import ArgumentError, KeyExpiryError, KeyFormatError, UnknownTaskError
 from keyexpiry.keys import MAX_KEY_BYTES
@@ -34,7 +35,6 @@ from tests import sample_tasks
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings, wait_status
 from tests.reliability import Verdict
-from tests.servers import wait_until
 
 StartListener = Callable[[Settings], Running]
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,12 +9,12 @@ from decimal import Decimal
 from pathlib import Path
 
 from keyexpiry import Client, Listener, Settings, TaskRequest
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.keys import sentinel_key
 from keyexpiry.store import TaskStatus
 from tests import sample_tasks
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings, wait_status
-from tests.servers import wait_until
 
 StartListener = Callable[[Settings], Running]
 

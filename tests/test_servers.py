@@ -20,8 +20,7 @@ import sqlalchemy as sa
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.conftest import REDIS_SERVER, MariaDBFactory, RedisFactory, _require
-from tests.servers import (
+from keyexpiry.bench.servers import (
     MariaDBServer,
     RedisServer,
     ServerError,
@@ -29,6 +28,7 @@ from tests.servers import (
     free_port,
     wait_until,
 )
+from tests.conftest import REDIS_SERVER, MariaDBFactory, RedisFactory, _require
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -364,7 +364,7 @@ _CHILD = textwrap.dedent(
     import sys
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
-    from tests.servers import RedisServer
+    from keyexpiry.bench.servers import RedisServer
     server = RedisServer(Path(sys.argv[2]), binary=sys.argv[3])
     server.start()
     print(server.pid, flush=True)

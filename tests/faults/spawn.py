@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from keyexpiry import Settings
+from keyexpiry.bench.servers import wait_until
 from tests.conftest import _require
 from tests.ke import FAST
-from tests.servers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,6 +12,7 @@ import pytest
 from loguru import logger
 
 from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.bench.servers import lock_waits, wait_until
 from keyexpiry.store import TaskStatus
 from tests import sample_tasks
 from tests.conftest import MariaDBFactory
@@ -19,7 +20,6 @@ from tests.faults.spawn import ROOT, Spawned, keyexpiry_command, signal_group, s
 from tests.ke import Running, make_settings, wait_status
 from tests.proxy import Fault, MySQLProxy, updates_status
 from tests.reliability import Verdict
-from tests.servers import lock_waits, wait_until
 
 pytestmark = pytest.mark.faults
 StartListener = Callable[[Settings], Running]

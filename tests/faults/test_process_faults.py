@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.bench.servers import MariaDBServer, lock_waits, wait_until
 from keyexpiry.errors import StoreError
 from keyexpiry.store import NewTask, Store, TaskStatus, make_engine
 from tests import sample_tasks
@@ -24,7 +25,6 @@ from tests.conftest import MariaDBFactory, RedisFactory
 from tests.faults.spawn import ROOT, Spawned, listener_env, signal_group
 from tests.ke import Running, make_settings, wait_status
 from tests.reliability import Verdict
-from tests.servers import MariaDBServer, lock_waits, wait_until
 
 pytestmark = pytest.mark.faults
 StartListener = Callable[[Settings], Running]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.bench.servers import RedisServer, wait_until
 from keyexpiry.store import TaskStatus
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings, wait_status
 from tests.reliability import Verdict
-from tests.servers import RedisServer, wait_until
 
 pytestmark = pytest.mark.faults
 StartListener = Callable[[Settings], Running]

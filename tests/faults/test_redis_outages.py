@@ -14,6 +14,7 @@ import pytest
 from loguru import logger
 
 from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.doctor import run_checks
 from keyexpiry.errors import RedisUnavailableError
@@ -22,7 +23,6 @@ from keyexpiry.store import TaskStatus
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings
 from tests.reliability import Verdict
-from tests.servers import wait_until
 from tests.test_security import acl_user
 
 pytestmark = pytest.mark.faults

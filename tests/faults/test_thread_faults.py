@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from keyexpiry import Client, Listener, Settings
+from keyexpiry.bench.servers import wait_until
 from tests.ke import Running
 from tests.reliability import Verdict
-from tests.servers import wait_until
 
 StartListener = Callable[[Settings], Running]
 TASKS = 30

@@ -6,7 +6,8 @@ import contextlib
 import time
 from typing import Any
 
-from bench.harness import (
+from keyexpiry import Client, TaskRequest
+from keyexpiry.bench.harness import (
     ListenerProcess,
     Servers,
     analyze,
@@ -17,7 +18,6 @@ from bench.harness import (
     settings_for,
     wait_done,
 )
-from keyexpiry import Client, TaskRequest
 from keyexpiry.store import TaskStatus
 
 NOOP = "Bench@noop@%"

@@ -23,10 +23,10 @@ import psutil
 import redis
 from sqlalchemy import delete, func, select, text
 
-import bench.tasks  # noqa: F401 - registers Bench.noop
+import keyexpiry.bench.tasks  # noqa: F401 - registers Bench.noop
 from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import MariaDBServer, RedisServer, find_binary
 from keyexpiry.store import T, TaskStatus
-from tests.servers import MariaDBServer, RedisServer, find_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,7 +219,7 @@ class ListenerProcess(MeasuredProcess):
             "keyexpiry",
             "listen",
             "--tasks",
-            "bench.tasks",
+            "keyexpiry.bench.tasks",
             "--concurrency",
             str(self.concurrency),
         ]

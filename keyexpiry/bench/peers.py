@@ -1,8 +1,8 @@
 """The steady scenario on huey and arq, measured like keyexpiry's (optional extra `peers`).
 
-Each peer's consumer runs in its own process (`python -m bench.peer_apps`) with the library's
-default settings, against the benchmark's redis-server (flushed first). Lateness is the handler's
-start (`time.time()`) minus the due time; both come from this host's clock.
+Each peer's consumer runs in its own process (`python -m keyexpiry.bench.peer_apps`) with the
+library's default settings, against the benchmark's redis-server (flushed first). Lateness is the
+handler's start (`time.time()`) minus the due time; both come from this host's clock.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import MeasuredProcess, Servers, percentiles
-from bench.peer_apps import PEERS, schedule
+from keyexpiry.bench.harness import MeasuredProcess, Servers, percentiles
+from keyexpiry.bench.peer_apps import PEERS, schedule
 
 __all__ = ["PEERS", "PeerProcess", "Run", "figures", "missing", "parse", "steady"]
 
@@ -88,8 +88,8 @@ class PeerProcess(MeasuredProcess):
     out: Path = Path()
 
     def argv(self) -> list[str]:
-        """`python -m bench.peer_apps <lib> <redis_url> <out>`."""
-        return ["-m", "bench.peer_apps", self.lib, self.redis_url, str(self.out)]
+        """`python -m keyexpiry.bench.peer_apps <lib> <redis_url> <out>`."""
+        return ["-m", "keyexpiry.bench.peer_apps", self.lib, self.redis_url, str(self.out)]
 
     def runs(self) -> list[Run]:
         """What the handler recorded so far."""

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import peers as peer_bench
-from bench import scenarios
-from bench.harness import Servers, machine, median_of, servers
+from keyexpiry.bench import peers as peer_bench
+from keyexpiry.bench import scenarios
+from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
 SCENARIOS = ("steady", "sparse", "burst", "throughput", "create")
 
@@ -161,15 +161,23 @@ def print_table(report: dict[str, Any]) -> None:
         "redis_bytes_per_task",
     )
     print(f"\nmedians of {report['runs']} run(s), backend {report['backend']}")
+    heads = [
+        c.replace("late_", "").replace("_ms", "") if c.startswith("late_") else c for c in cols
+    ]
+    # Each column as wide as its header (and at least a value's width), one space between.
+    widths = [max(len(h), 9) for h in heads]
+    rows = [
+        (f"{name} {variant}", data["median"])
+        for name, variants in report["scenarios"].items()
+        for variant, data in variants.items()
+    ]
+    first = max([len("scenario"), *(len(label) for label, _ in rows)])
     print(
-        f"{'scenario':<34}"
-        + "".join(f"{c.replace('_ms', '').replace('late_', ''):>14}" for c in cols)
+        f"{'scenario':<{first}}" + "".join(f" {h:>{w}}" for h, w in zip(heads, widths, strict=True))
     )
-    for name, variants in report["scenarios"].items():
-        for variant, data in variants.items():
-            m = data["median"]
-            cells = "".join(
-                f"{m[c]:>14.1f}" if isinstance(m.get(c), float) else f"{m.get(c, ''):>14}"
-                for c in cols
-            )
-            print(f"{name + ' ' + variant:<34}{cells}")
+    for label, m in rows:
+        cells = "".join(
+            f" {m[c]:>{w}.1f}" if isinstance(m.get(c), float) else f" {m.get(c, ''):>{w}}"
+            for c, w in zip(cols, widths, strict=True)
+        )
+        print(f"{label:<{first}}{cells}")

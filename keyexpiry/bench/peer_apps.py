@@ -102,8 +102,9 @@ def _utc(epoch_ms: int) -> dt.datetime:
 
 
 if __name__ == "__main__":
-    # python -m bench.peer_apps <huey|arq> <redis_url> <out file>. Through the imported module:
-    # huey names tasks after their module, which must read bench.peer_apps on both sides.
-    from bench import peer_apps
+    # python -m keyexpiry.bench.peer_apps <huey|arq> <redis_url> <out file>. Through the
+    # imported module: huey names tasks after their module, which must read
+    # keyexpiry.bench.peer_apps on both sides.
+    from keyexpiry.bench import peer_apps
 
     peer_apps.serve(*sys.argv[1:4])

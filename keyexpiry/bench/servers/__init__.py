@@ -1,0 +1,28 @@
+"""Real Redis and MariaDB servers for the test suite and the benchmark.
+
+Every server runs as a child process on a free loopback port with its files in a caller-supplied
+work directory, so tests (and xdist workers) never share state with each other or with anything
+installed on the machine. Nothing here sleeps for a fixed time: all waiting goes through
+`wait_until`, which polls on a monotonic deadline.
+"""
+
+from keyexpiry.bench.servers.mariadb import MariaDBServer, lock_waits
+from keyexpiry.bench.servers.process import (
+    LOOPBACK,
+    ServerError,
+    find_binary,
+    free_port,
+    wait_until,
+)
+from keyexpiry.bench.servers.redis import RedisServer
+
+__all__ = [
+    "LOOPBACK",
+    "MariaDBServer",
+    "RedisServer",
+    "ServerError",
+    "find_binary",
+    "free_port",
+    "lock_waits",
+    "wait_until",
+]
