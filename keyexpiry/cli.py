@@ -378,19 +378,27 @@ embedded_app = typer.Typer(help="The embedded redis-server (the default when no 
 app.add_typer(embedded_app, name="embedded")
 
 
+def _embedded_dir(ctx: typer.Context) -> Path | None:
+    """The embedded server's state dir, or None (said on stdout) when a Redis URL is set."""
+    settings = _settings(ctx)
+    if settings.embedded_redis:
+        return settings.state_dir
+    typer.echo("no embedded redis-server in use (KEYEXPIRY_REDIS_URL is set)")
+    return None
+
+
 @embedded_app.command("status")
 @_errors
 def embedded_status(ctx: typer.Context) -> None:
     """Say whether the embedded redis-server for the state dir is running, and where."""
     from keyexpiry.embedded import is_running, socket_path
 
-    settings = _settings(ctx)
-    if not settings.embedded_redis:
-        typer.echo("no embedded redis-server in use (KEYEXPIRY_REDIS_URL is set)")
-        return
-    sock = socket_path(settings.state_dir)
-    state = "running" if is_running(settings.state_dir) else "not running"
-    typer.echo(f"embedded redis-server {state} (socket {sock}, state dir {settings.state_dir})")
+    if (state_dir := _embedded_dir(ctx)) is not None:
+        state = "running" if is_running(state_dir) else "not running"
+        typer.echo(
+            f"embedded redis-server {state} (socket {socket_path(state_dir)}, "
+            f"state dir {state_dir})"
+        )
 
 
 @embedded_app.command("stop")
@@ -399,14 +407,9 @@ def embedded_stop(ctx: typer.Context) -> None:
     """Stop the embedded redis-server for the state dir (its data is saved)."""
     from keyexpiry.embedded import stop_embedded_redis
 
-    settings = _settings(ctx)
-    if not settings.embedded_redis:
-        typer.echo("no embedded redis-server in use (KEYEXPIRY_REDIS_URL is set)")
-        return
-    stopped = stop_embedded_redis(settings.state_dir)
-    typer.echo(
-        "embedded redis-server stopped" if stopped else "embedded redis-server was not running"
-    )
+    if (state_dir := _embedded_dir(ctx)) is not None:
+        stopped = stop_embedded_redis(state_dir)
+        typer.echo(f"embedded redis-server {'stopped' if stopped else 'was not running'}")
 
 
 def main() -> None:
