@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
+from loguru import logger
 
 from keyexpiry.errors import ConfigError, KeyExpiryError
 from keyexpiry.log import configure_logging
@@ -47,8 +48,15 @@ def _global(
     ),
     key_prefix: str = typer.Option(None, envvar="KEYEXPIRY_KEY_PREFIX", help="Task key prefix."),
     log_level: str = typer.Option("INFO", envvar="KEYEXPIRY_LOG_LEVEL", help="Log level."),
+    log_format: str = typer.Option(
+        "text", envvar="KEYEXPIRY_LOG_FORMAT", help="text, or json: one object per line."
+    ),
 ) -> None:
-    configure_logging(log_level)
+    try:
+        configure_logging(log_level, log_format=log_format)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
     ctx.obj = {
         "redis_url": redis_url,
         "database_url": database_url,
@@ -161,7 +169,10 @@ def listen(
         ctx, tasks=_tasks(tasks), concurrency=concurrency, configure_redis=configure_redis or None
     )
     load_task_modules(settings.tasks)
-    Listener(settings).run()
+    listener = Listener(settings)
+    # Every line of this process names its listener (JSON logs carry it as `extra.listener`).
+    logger.configure(extra={"listener": listener.owner})
+    listener.run()
 
 
 @app.command()

@@ -151,10 +151,11 @@ class Executor:
             log.warning("abandoned run returned after its timeout; its result is discarded")
             return True
         if outcome.status is TaskStatus.DONE and outcome.finished_at_ms is not None:
-            log.info(
+            late_ms = (row.started_at_ms or 0) - row.due_at_ms
+            log.bind(late_ms=late_ms).info(
                 "done in {} ms, started {} ms after due",
                 outcome.finished_at_ms - (row.started_at_ms or outcome.finished_at_ms),
-                (row.started_at_ms or 0) - row.due_at_ms,
+                late_ms,
             )
         return False
 

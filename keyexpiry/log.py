@@ -7,6 +7,8 @@ from typing import Any
 
 from loguru import logger
 
+from keyexpiry.errors import ConfigError
+
 
 def _format(record: Any) -> str:
     extra = record["extra"]
@@ -20,14 +22,27 @@ def _format(record: Any) -> str:
     )
 
 
-def configure_logging(level: str = "INFO", *, colorize: bool | None = None) -> None:
-    """Send keyexpiry's log to stderr at `level`; every task line shows its key and attempt."""
+LOG_FORMATS = ("text", "json")
+
+
+def configure_logging(
+    level: str = "INFO", *, colorize: bool | None = None, log_format: str = "text"
+) -> None:
+    """Send keyexpiry's log to stderr at `level`; every task line shows its key and attempt.
+
+    `log_format="json"`: one JSON object per line (loguru's serialisation) for log shippers; a
+    task's key, attempt, the listener id and lateness are in `record.extra`.
+    """
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(f"log format {log_format!r}: use one of {', '.join(LOG_FORMATS)}")
     logger.remove()
+    json = log_format == "json"
     logger.add(
         _write_stderr,
         level=level.upper(),
-        format=_format,
-        colorize=sys.stderr.isatty() if colorize is None else colorize,
+        format="{message}" if json else _format,
+        serialize=json,
+        colorize=False if json else sys.stderr.isatty() if colorize is None else colorize,
         backtrace=False,
         diagnose=False,  # diagnose would print local variables: passwords
     )
