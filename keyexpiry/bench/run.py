@@ -145,39 +145,49 @@ def run(
     return report
 
 
-def print_table(report: dict[str, Any]) -> None:
-    """The medians, one line per scenario and variant."""
-    cols = (
-        "late_p50_ms",
-        "late_p90_ms",
-        "late_p99_ms",
-        "late_max_ms",
-        "fired",
-        "tasks_per_s",
-        "listener_cpu_s",
-        "listener_rss_mb",
-        "single_per_s",
-        "bulk_per_s",
-        "redis_bytes_per_task",
-    )
-    print(f"\nmedians of {report['runs']} run(s), backend {report['backend']}")
-    heads = [
-        c.replace("late_", "").replace("_ms", "") if c.startswith("late_") else c for c in cols
-    ]
-    # Each column as wide as its header (and at least a value's width), one space between.
-    widths = [max(len(h), 9) for h in heads]
-    rows = [
+COLUMNS = (
+    "late_p50_ms",
+    "late_p90_ms",
+    "late_p99_ms",
+    "late_max_ms",
+    "fired",
+    "tasks_per_s",
+    "listener_cpu_s",
+    "listener_rss_mb",
+    "single_per_s",
+    "bulk_per_s",
+    "redis_bytes_per_task",
+)
+"""The figures in the table, in order; a column no row has a value for is left out."""
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The medians, one line per scenario and variant, each column as wide as its widest cell
+    and two spaces apart: headers stand over their values whatever their width."""
+    medians = [
         (f"{name} {variant}", data["median"])
         for name, variants in report["scenarios"].items()
         for variant, data in variants.items()
     ]
-    first = max([len("scenario"), *(len(label) for label, _ in rows)])
-    print(
-        f"{'scenario':<{first}}" + "".join(f" {h:>{w}}" for h, w in zip(heads, widths, strict=True))
-    )
-    for label, m in rows:
-        cells = "".join(
-            f" {m[c]:>{w}.1f}" if isinstance(m.get(c), float) else f" {m.get(c, ''):>{w}}"
-            for c, w in zip(cols, widths, strict=True)
-        )
-        print(f"{label:<{first}}{cells}")
+    cols = [c for c in COLUMNS if any(c in m for _, m in medians)]
+    heads = [
+        c.removeprefix("late_").removesuffix("_ms") if c.startswith("late_") else c for c in cols
+    ]
+    table = [["scenario", *heads]]
+    table += [[label, *(_cell(m[c]) if c in m else "" for c in cols)] for label, m in medians]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = [f"medians of {report['runs']} run(s), backend {report['backend']}"]
+    for row in table:
+        cells = [row[0].ljust(widths[0])]
+        cells += [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """Print `format_table(report)` after a blank line."""
+    print("\n" + format_table(report))

@@ -1,0 +1,88 @@
+"""The benchmark's parts that need no server: its table, and what it does without the server
+binaries."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keyexpiry.bench import harness
+from keyexpiry.bench.run import format_table
+from keyexpiry.embedded import redis_binary
+from keyexpiry.errors import ConfigError
+
+
+def _report(scenarios: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    return {
+        "runs": 1,
+        "backend": "sqlite",
+        "scenarios": {
+            name: {variant: {"median": m} for variant, m in variants.items()}
+            for name, variants in scenarios.items()
+        },
+    }
+
+
+def test_table_headers_are_apart_and_stand_over_their_values_however_wide() -> None:
+    wave = {"late_p50_ms": 3.0, "late_max_ms": 123456789.0, "fired": 2000, "tasks_per_s": 997.5}
+    table = format_table(
+        _report(
+            {
+                "steady": {"driver=on": wave, "driver=off": {"late_p50_ms": 713.0, "fired": 20}},
+                "create": {"default": {"single_per_s": 1711, "redis_bytes_per_task": 165.4}},
+            }
+        )
+    ).splitlines()
+    assert table[0] == "medians of 1 run(s), backend sqlite"
+    header, on, off, create = table[1:]
+    heads = header.split()
+    # Only the columns some row has, named apart (no `tasks_per_slistener_cpu_s`).
+    assert heads == [
+        "scenario",
+        "p50",
+        "max",
+        "fired",
+        "tasks_per_s",
+        "single_per_s",
+        "redis_bytes_per_task",
+    ]
+    assert on.split() == ["steady", "driver=on", "3.0", "123456789.0", "2000", "997.5"]
+
+    def right_edge(line: str, text: str) -> int:
+        return line.index(text) + len(text)
+
+    for head, line, value in [
+        ("p50", on, "3.0"),
+        ("p50", off, "713.0"),
+        ("max", on, "123456789.0"),
+        ("fired", off, "20"),
+        ("tasks_per_s", on, "997.5"),
+        ("single_per_s", create, "1711"),
+        ("redis_bytes_per_task", create, "165.4"),
+    ]:
+        assert right_edge(line, f" {value}") == right_edge(header, f" {head}"), (head, value)
+
+
+def test_the_mariadb_backend_without_its_binaries_is_one_error_before_any_server_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(harness, "find_binary", lambda name: None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where servers() puts its workdir
+    with (
+        pytest.raises(ConfigError, match=r"mariadbd and mariadb-install-db .* --backend sqlite"),
+        harness.servers(with_mariadb=True),
+    ):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_a_system_redis_server_the_bundled_one_is_used_and_described(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(harness, "find_binary", lambda name: None)
+    assert harness.redis_server_binary() == redis_binary()
+    figures = harness.machine()
+    assert figures["redis"].startswith("v=") and figures["mariadb"] == "-"
