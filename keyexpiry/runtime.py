@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from redis import Redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from sqlalchemy import URL
 
 from keyexpiry.arming import arm_keys, redis_db
 from keyexpiry.clock import RedisClock
@@ -101,7 +102,9 @@ def resolve_database_url(settings: Settings) -> str:
     if settings.database_url:
         return settings.database_url
     settings.state_dir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{settings.state_dir.resolve() / 'keyexpiry.sqlite3'}"
+    # Built, not formatted: a `?`, `#` or `%` in the state dir would otherwise end the path.
+    path = settings.state_dir.resolve() / "keyexpiry.sqlite3"
+    return URL.create("sqlite", database=str(path)).render_as_string(hide_password=False)
 
 
 def open_store(settings: Settings) -> Store:

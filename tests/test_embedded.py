@@ -23,8 +23,8 @@ from tests.ke import FAST, Running, wait_status
 
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Iterator[Path]:
-    """A state dir whose name has a space, a quote, a backslash and a percent sign."""
-    path = tmp_path / 'state with space "q" \\ 50%'
+    """A state dir whose name has a space, a quote, a backslash, `%`, `?` and `#`."""
+    path = tmp_path / 'state with space "q" \\ 50% a?b #c'
     yield path
     stop_embedded_redis(path)
     wait_until(lambda: not is_running(path), 10, message="embedded redis-server did not stop")
@@ -45,6 +45,7 @@ def test_a_state_dir_with_spaces_and_quotes_runs_tasks(state_dir: Path) -> None:
     finally:
         running.stop()
     assert (state_dir / "redis.conf").exists() and is_running(state_dir)
+    assert (state_dir / "keyexpiry.sqlite3").exists()  # the ledger is in the dir, not cut at `?`
 
 
 def test_the_listener_restarts_the_embedded_server_it_depends_on(state_dir: Path) -> None:
