@@ -1,13 +1,19 @@
-"""Routing one message heard on the subscription: a task key to the claimer, our own canary and
-sentinels to loss control, a wake message to the driver; other applications' keys dropped without
-a word, keys that claim to be ours but cannot be logged once (as a short excerpt) and dropped.
+"""Routing one message heard on the subscription: what a key is (pure), then where it goes.
 
-Nothing here decodes a key longer than the key limit or queues one that is not a task's.
+`KeyShapes.expired` / `KeyShapes.evicted` classify one key without I/O: a task key (for the
+claimer), our own canary or a sentinel (for loss control), another keyexpiry key that is not a
+task, another application's key (dropped without a word), or one that claims to be ours but
+cannot be (logged once, as a short excerpt, and dropped). `Router` acts on that: claimer, driver,
+health, counters and the log lines. Nothing here decodes a key longer than the key limit or queues
+one that is not a task's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
 
 from loguru import logger
 
@@ -26,6 +32,127 @@ from keyexpiry.keys import (
 from keyexpiry.runtime import Runtime
 
 
+class Route(Enum):
+    """What one expired or evicted key is, to this listener."""
+
+    TASK = "task"
+    """A task key (or one the claimer refuses once, when it parses it): to the claimer."""
+    CANARY = "canary"
+    """This listener's own canary: events do arrive."""
+    SENTINEL = "sentinel"
+    """A loss-control sentinel fired: reconcile."""
+    INTERNAL = "internal"
+    """Another listener's canary, the driver lock: keyexpiry's, not a task."""
+    FOREIGN = "foreign"
+    """Another application's key: dropped without a word."""
+    REFUSED = "refused"
+    """Claims to be a task key of ours but cannot be one: logged once and dropped."""
+
+
+class Verdict(NamedTuple):
+    """A route, with the decoded key of a task and the reason for a refusal."""
+
+    # A tuple, not a frozen dataclass: the subscriber thread builds one for every task key, and a
+    # frozen dataclass nearly doubled the cost of routing a key (2.6 → 4.9 µs, measured).
+    route: Route
+    key: str = ""
+    reason: str = ""
+
+
+_FOREIGN = Verdict(Route.FOREIGN)
+_CANARY = Verdict(Route.CANARY)
+_SENTINEL = Verdict(Route.SENTINEL)
+_INTERNAL = Verdict(Route.INTERNAL)
+_TASK = Route.TASK  # the common case, compared once per event without an Enum class lookup
+
+
+@dataclass(frozen=True)
+class KeyShapes:
+    """The byte prefixes that tell this listener's keys from everyone else's."""
+
+    prefix: bytes
+    internal: bytes
+    sentinel: bytes
+    canary: bytes
+    registered: Callable[[str], bool]
+    """Whether a task class is registered here (decides, without a prefix, what is ours)."""
+
+    @classmethod
+    def of(cls, prefix: str, canary: str, registered: Callable[[str], bool]) -> KeyShapes:
+        """The shapes for keys under `prefix`, with `canary` this listener's canary key."""
+        return cls(
+            prefix=prefix.encode(),
+            internal=(prefix + INTERNAL_MARK).encode(),
+            sentinel=(prefix + SENTINEL_MARK).encode(),
+            canary=canary.encode(),
+            registered=registered,
+        )
+
+    def expired(self, data: bytes) -> Verdict:
+        """What an expired key is.
+
+        Keys of other applications sharing the database are foreign: those outside the prefix
+        and, with no prefix, those not shaped like `Class@...` for a registered class (an
+        unregistered class's well-formed key may be a task for another listener: the claimer
+        logs it once). A key that claims to be ours but cannot be a task key is refused; one
+        over the key limit is never decoded.
+        """
+        prefix = self.prefix
+        if not data.startswith(prefix):
+            return _FOREIGN
+        if data.startswith(self.internal):
+            if data == self.canary:
+                return _CANARY
+            if data.startswith(self.sentinel):
+                return _SENTINEL
+            return _INTERNAL
+        class_name = task_class_of(data, prefix)
+        ours = bool(prefix) or (class_name is not None and self.registered(class_name))
+        if len(data) > MAX_KEY_BYTES:
+            return _refused(f"longer than the {MAX_KEY_BYTES}-byte key limit", ours=ours)
+        try:
+            key = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return _refused("not valid UTF-8", ours=ours)
+        if not ours and not _well_formed(key):
+            return _FOREIGN
+        # Parsed (and refused if malformed) once, by the claimer: not here as well.
+        return Verdict(_TASK, key)
+
+    def evicted(self, data: bytes) -> Verdict:
+        """What an evicted key is: only a well-formed task key under the prefix is a task; the
+        application's own keys are evicted too, so anything else is foreign, not refused."""
+        if len(data) > MAX_KEY_BYTES or not data.startswith(self.prefix):
+            return _FOREIGN  # never decode a huge foreign key
+        if data == self.canary:
+            return _CANARY
+        if data.startswith(self.internal):
+            return _INTERNAL
+        try:
+            key = data.decode("utf-8")
+            parse_key(key, prefix=self.prefix.decode())
+        except (UnicodeDecodeError, KeyFormatError):
+            return _FOREIGN
+        return Verdict(_TASK, key)
+
+
+def as_bytes(raw: bytes | str) -> bytes:
+    """A message's payload as bytes (a str only comes from a test or a hand-driven call)."""
+    return raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
+
+
+def _refused(reason: str, *, ours: bool) -> Verdict:
+    return Verdict(Route.REFUSED, reason=reason) if ours else _FOREIGN
+
+
+def _well_formed(key: str) -> bool:
+    try:
+        parse_key(key)
+    except KeyFormatError:
+        return False
+    return True
+
+
 class Router:
     """Turns expired, evicted and wake messages into work for the claimer, driver and health."""
 
@@ -38,17 +165,12 @@ class Router:
         note_due: Callable[[Iterable[tuple[str, int]]], None],
         request_reconcile: Callable[[str], None],
     ) -> None:
-        self.rt = rt
         self._health = health
         self._submit = submit
         self._note_due = note_due
         self._request_reconcile = request_reconcile
-        prefix = rt.settings.key_prefix
-        self._prefix = prefix.encode()
-        self._internal = (prefix + INTERNAL_MARK).encode()
-        self._sentinel = (prefix + SENTINEL_MARK).encode()
-        self._canary = health.canary.encode()
-        self._wake_channel = wake_channel(rt.db, prefix)
+        self.shapes = KeyShapes.of(rt.settings.key_prefix, health.canary, rt.registry.has_class)
+        self._wake_channel = wake_channel(rt.db, rt.settings.key_prefix)
         self._eviction_warned = False
         self.events = 0
         """Expired events heard, of any key."""
@@ -62,57 +184,37 @@ class Router:
         """Wake messages too long to be keyexpiry's, dropped undecoded."""
 
     def handle_key(self, raw: bytes | str) -> None:
-        """Route one expired key: sentinel → reconcile; task key → claimer; else ignore.
-
-        Keys of other applications sharing the database are dropped silently (counted in
-        `foreign`): those outside the prefix and, with no prefix, those not shaped like
-        `Class@...` for a registered class (an unregistered class's well-formed key may be a
-        task for another listener: the claimer logs it once). A key that claims to be ours but
-        cannot be a task key is logged once, as a short excerpt; one over the key limit is never
-        decoded or queued.
-        """
+        """Route one expired key (see `KeyShapes.expired`): task key → claimer, canary →
+        health, sentinel → reconcile; foreign keys counted, refused ones logged once."""
         self.events += 1
-        data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
-        prefix = self._prefix
-        if not data.startswith(prefix):
+        data = as_bytes(raw)
+        verdict = self.shapes.expired(data)
+        route = verdict.route
+        if route is _TASK:
+            self._submit([verdict.key])
+        elif route is Route.FOREIGN:
             self.foreign += 1
-            return
-        if data.startswith(self._internal):
-            self._handle_internal(data)
-            return
-        class_name = task_class_of(data, prefix)
-        registered = class_name is not None and self.rt.registry.has_class(class_name)
-        ours = bool(prefix) or registered
-        if len(data) > MAX_KEY_BYTES:
-            self._refuse(data, f"longer than the {MAX_KEY_BYTES}-byte key limit", ours=ours)
-            return
-        try:
-            key = data.decode("utf-8")
-        except UnicodeDecodeError:
-            self._refuse(data, "not valid UTF-8", ours=ours)
-            return
-        if not ours and not _well_formed(key):
-            self.foreign += 1
-            return
-        # Parsed (and refused if malformed) once, by the claimer: not here as well.
-        self._submit([key])
+        elif route is Route.REFUSED:
+            self.refused += 1
+            logger.bind(key=excerpt(data), attempt=0).warning("ignored key: {}", verdict.reason)
+        elif route is Route.CANARY:
+            self._health.canary_arrived(expired=True)
+        elif route is Route.SENTINEL:
+            logger.info("sentinel {} fired: reconciling", excerpt(data))
+            self._request_reconcile("sentinel")
+        # Route.INTERNAL: another listener's canary, an expired driver lock: nothing to do.
 
     def handle_evicted(self, raw: bytes | str) -> None:
         """A key Redis evicted under maxmemory: its `expired` event will never come, so hand a
         task key to the claimer now: it runs it if due, else re-arms its missing key."""
-        data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
-        if len(data) > MAX_KEY_BYTES or not data.startswith(self._prefix):
-            return  # not ours (and never decode a huge foreign key)
-        if data == self._canary:
+        verdict = self.shapes.evicted(as_bytes(raw))
+        if verdict.route is Route.CANARY:
             self._health.canary_arrived(expired=False)  # evicted first: events do arrive
             return
-        if data.startswith(self._internal):
-            return  # another listener's canary, a sentinel: the self-checks notice those
-        try:
-            key = data.decode("utf-8")
-            parse_key(key, prefix=self.rt.settings.key_prefix)
-        except (UnicodeDecodeError, KeyFormatError):
-            return  # the application's own keys are evicted too: not ours, not worth a line
+        if verdict.route is not Route.TASK:
+            # Another listener's canary, a sentinel (the self-checks notice those), or the
+            # application's own keys: not ours, not worth a line.
+            return
         self.evicted += 1
         # Under noeviction Redis evicts nothing: such a message was published by someone else.
         # The claimer still checks the key (harmless), but no maxmemory alarm is raised.
@@ -122,8 +224,8 @@ class Router:
                 "Redis is evicting task keys (maxmemory): each is re-armed or run from the "
                 "ledger; set maxmemory-policy noeviction"
             )
-        logger.bind(key=key, attempt=0).debug("task key evicted: handed to the claimer")
-        self._submit([key])
+        logger.bind(key=verdict.key, attempt=0).debug("task key evicted: handed to the claimer")
+        self._submit([verdict.key])
 
     def handle_wake(self, data: bytes) -> None:
         """Hand the tasks a wake message announces to the driver; a message longer than any
@@ -138,26 +240,3 @@ class Router:
                 )
             return
         self._note_due(parse_wake(data))
-
-    def _handle_internal(self, data: bytes) -> None:
-        if data == self._canary:
-            self._health.canary_arrived(expired=True)
-        elif data.startswith(self._sentinel):
-            logger.info("sentinel {} fired: reconciling", excerpt(data))
-            self._request_reconcile("sentinel")
-        # Else another listener's canary, an expired driver lock: ours, not a task.
-
-    def _refuse(self, data: bytes, reason: str, *, ours: bool) -> None:
-        if not ours:
-            self.foreign += 1
-            return
-        self.refused += 1
-        logger.bind(key=excerpt(data), attempt=0).warning("ignored key: {}", reason)
-
-
-def _well_formed(key: str) -> bool:
-    try:
-        parse_key(key)
-    except KeyFormatError:
-        return False
-    return True
