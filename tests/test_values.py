@@ -168,10 +168,10 @@ def test_any_retry_schedule_is_refused_in_one_line_or_is_finite_and_bounded(
             assert "retry_schedule_s" in str(exc)
             continue
     try:
-        options = exposed(retry_schedule_s=schedule)
+        exposed(retry_schedule_s=schedule)
     except ConfigError:
         return
-    assert options is not None
+    # Accepted: then every delay really is a finite number of seconds in range.
     assert all(0 <= float(v) <= MAX_DELAY_S for v in schedule)
 
 
