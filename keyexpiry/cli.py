@@ -161,12 +161,23 @@ def listen(
     configure_redis: bool = typer.Option(
         False, "--configure-redis", help="Turn on notify-keyspace-events Ex if it is off."
     ),
+    http: str = typer.Option(
+        None,
+        "--http",
+        envvar="KEYEXPIRY_HTTP",
+        metavar="HOST:PORT",
+        help="Serve Prometheus /metrics, /healthz and /readyz here.",
+    ),
 ) -> None:
     """Run the listener until SIGTERM/SIGINT."""
     from keyexpiry.listener import Listener
 
     settings = _settings(
-        ctx, tasks=_tasks(tasks), concurrency=concurrency, configure_redis=configure_redis or None
+        ctx,
+        tasks=_tasks(tasks),
+        concurrency=concurrency,
+        configure_redis=configure_redis or None,
+        http=http,
     )
     load_task_modules(settings.tasks)
     listener = Listener(settings)

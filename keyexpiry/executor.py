@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from loguru import Logger
 
 _ERROR_MAX_CHARS = 8000
+_OUTCOME_NAMES = {TaskStatus.DONE: "done", TaskStatus.PENDING: "retry", TaskStatus.DEAD: "dead"}
+"""An outcome's status as the `outcome` label of keyexpiry_runs_total."""
 
 
 def ended(rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None) -> Outcome:
@@ -119,6 +121,8 @@ class Executor:
             self.inflight.dropped()
             return False
         self.inflight.started(run)
+        task = run.spec.label
+        self.rt.metrics.started(task, started_ms - row.due_at_ms)
         outcome: Outcome
         try:
             if row.problem is not None:
@@ -150,6 +154,8 @@ class Executor:
         if not self.inflight.finished(run, outcome):
             log.warning("abandoned run returned after its timeout; its result is discarded")
             return True
+        assert run.started_s is not None
+        self.rt.metrics.ended(task, _OUTCOME_NAMES[outcome.status], monotonic_s() - run.started_s)
         if outcome.status is TaskStatus.DONE and outcome.finished_at_ms is not None:
             late_ms = (row.started_at_ms or 0) - row.due_at_ms
             log.bind(late_ms=late_ms).info(
@@ -209,6 +215,7 @@ class Watchdog:
         late, next_deadline = self.inflight.take_late(now)
         self._stats.timed_out += len(late)
         for run in late:
+            self.rt.metrics.ended(run.spec.label, "timeout", run.timeout_s)
             log = logger.bind(key=run.row.key, attempt=run.row.attempts)
             log.error(
                 "handler exceeded its timeout of {:g} s; recorded as failed "

@@ -17,6 +17,7 @@ from loguru import logger
 
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
+from keyexpiry.endpoints import Endpoints
 from keyexpiry.health import Health
 from keyexpiry.maintenance import Maintenance
 from keyexpiry.reconcile import Reconciler
@@ -89,6 +90,7 @@ class Listener:
         self.channel = self.subscription.channel
         self.wake_channel = self.subscription.wake_channel
         self.subscribed = self.health.subscribed
+        self.endpoints: Endpoints | None = None
 
     # --- run ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -103,6 +105,7 @@ class Listener:
             self.settings.concurrency,
         )
         self.maintenance.ensure_schema()
+        endpoints = self.serve_http() if self.settings.http else None
         self.dispatcher.start()
         if self.settings.driver:
             self.driver.start(self.thread_errors)
@@ -122,9 +125,17 @@ class Listener:
             self.subscription.close()
             self.maintenance.wake()
             maintenance.join(timeout=5)
+            if endpoints is not None:
+                endpoints.stop()
             self.rt.close()
             restore()
             logger.info("listener stopped")
+
+    def serve_http(self) -> Endpoints:
+        """Start serving /metrics, /healthz and /readyz on `settings.http` (see `endpoints`)."""
+        self.endpoints = Endpoints(self, self.settings.http)
+        self.endpoints.start()
+        return self.endpoints
 
     def stop(self) -> None:
         """Ask `run()` to finish (safe from any thread or a signal handler)."""

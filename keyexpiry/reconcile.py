@@ -51,6 +51,10 @@ class Reconciler:
         self.store, self.redis, self.clock = rt.store, rt.redis, rt.clock
         self.settings, self.registry = rt.settings, rt.registry
         self.submit = submit
+        self.rearmed_total = 0
+        """Keys re-armed from the ledger since start (for metrics)."""
+        self.requeued_total = 0
+        """Tasks handed to the claimer or back to pending from the ledger since start."""
 
     def run(
         self, *, dry_run: bool = False, progress: Callable[[int, int], None] | None = None
@@ -94,9 +98,11 @@ class Reconciler:
         keys = [k for k, _ in rows]
         if self.submit is not None and not events_arriving:
             self.submit(keys)
+            self.requeued_total += len(keys)
             action = "running them from the ledger (expired events are not arriving)"
         else:
             self.rt.arm(rows, now_ms)
+            self.rearmed_total += len(rows)
             action = f"re-armed; {self._overdue_cause(keys)}"
         shown = ", ".join(excerpt(k, 60) for k in keys[:3])
         more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
@@ -154,6 +160,7 @@ class Reconciler:
                 log.warning("{}; running it again", error)
                 requeued.append(row.key)
         if requeued:
+            self.requeued_total += len(requeued)
             if self.submit is not None:
                 self.submit(requeued)
             else:
@@ -177,11 +184,13 @@ class Reconciler:
             if self.submit is not None:
                 if not dry_run:
                     self.submit([r.key for r in overdue])
+                    self.requeued_total += len(overdue)
             else:
                 to_arm.extend(overdue)
         report.rearmed += len(to_arm)
         if dry_run or not to_arm:
             return
         self.rt.arm([(r.key, r.due_at_ms) for r in to_arm], now_ms)
+        self.rearmed_total += len(to_arm)
         for row in to_arm:
             logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")

@@ -24,6 +24,7 @@ from keyexpiry.arming import arm_keys, redis_db
 from keyexpiry.clock import RedisClock
 from keyexpiry.embedded import RestartingRetry, ensure_embedded_redis
 from keyexpiry.errors import RedisUnavailableError
+from keyexpiry.metrics import RunMetrics
 from keyexpiry.registry import Registry, default_registry
 from keyexpiry.settings import Settings, mask_url
 from keyexpiry.store import Store, make_engine
@@ -42,6 +43,8 @@ class Runtime:
     clock: RedisClock
     owner: str
     """This process's identity in claims and logs: host:pid:random."""
+    metrics: RunMetrics = field(default_factory=RunMetrics, repr=False)
+    """Runs, lateness and handler time, for `/metrics` (one registry per runtime)."""
     _subscriber: Redis | None = field(default=None, repr=False)
 
     @classmethod

@@ -57,6 +57,32 @@ class ScanQueries(Ledger):
         return int(n)
 
     @retried_once
+    def active_counts(self) -> dict[str, int]:
+        """Rows per status for pending, running and dead only: ranges of the status index, never
+        the done and cancelled rows that make up most of a large ledger."""
+        wanted = [TaskStatus.PENDING.value, TaskStatus.RUNNING.value, TaskStatus.DEAD.value]
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T.c.status, func.count()).where(T.c.status.in_(wanted)).group_by(T.c.status)
+            ).all()
+        return {str(s): int(n) for s, n in rows}
+
+    @retried_once
+    def pending_due_before(self, edges_ms: list[int]) -> list[int]:
+        """How many pending rows fall due before each of `edges_ms` (one index range each)."""
+        with self._tx() as conn:
+            return [
+                int(
+                    conn.execute(
+                        select(func.count()).where(
+                            T.c.status == TaskStatus.PENDING.value, T.c.due_at_ms < edge
+                        )
+                    ).scalar_one()
+                )
+                for edge in edges_ms
+            ]
+
+    @retried_once
     def expired_leases(self, now_ms: int, limit: int = 1000) -> list[TaskRow]:
         """Running rows whose lease has run out: the listener running them is gone."""
         with self._tx() as conn:

@@ -82,6 +82,8 @@ class Settings:
     wake_ahead_s: float = 120.0
     configure_redis: bool = False
     log_level: str = "INFO"
+    http: str = ""
+    """`HOST:PORT` for the listener's /metrics, /healthz and /readyz; empty: not served."""
 
     def __repr__(self) -> str:
         shown = ", ".join(
@@ -134,6 +136,10 @@ class Settings:
             raise ConfigError("driver_window_s must be at most wake_ahead_s")
         schedule = limits.delays(self.retry_schedule_s, "retry_schedule_s", ConfigError)
         object.__setattr__(self, "retry_schedule_s", schedule)
+        if self.http:
+            from keyexpiry.endpoints import parse_bind
+
+            parse_bind(self.http)
         if "@" in self.key_prefix or len(self.key_prefix) > 64:
             raise ConfigError("key_prefix must not contain '@' and must be at most 64 characters")
         for url, what, schemes in (

@@ -63,6 +63,12 @@ class Store(ClaimQueries, ScanQueries):
                 time.sleep(0.05 * (attempt + 1))
 
     @retried_once
+    def ping(self) -> None:
+        """One trivial query: raises StoreError when the ledger cannot answer."""
+        with self._tx() as conn:
+            conn.execute(select(1)).scalar_one()
+
+    @retried_once
     def table_exists(self) -> bool:
         """Whether `time_limit_task` exists."""
         with self._tx() as conn:

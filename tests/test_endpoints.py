@@ -1,0 +1,154 @@
+"""`listen --http`: Prometheus /metrics, /healthz and /readyz against real servers."""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import wait_until
+from keyexpiry.endpoints import parse_bind
+from keyexpiry.errors import ConfigError
+from keyexpiry.metrics import NAMES
+from keyexpiry.store import TaskStatus
+from tests import sample_tasks
+from tests.conftest import MariaDBFactory, RedisFactory
+from tests.ke import Running, make_settings, wait_status
+
+StartListener = Callable[[Settings], Running]
+
+
+def get(url: str) -> tuple[int, str]:
+    """Status and body of a GET (errors included)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def samples(body: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a /metrics page by (name, sorted labels)."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def base(running: Running) -> str:
+    endpoints = running.listener.endpoints
+    assert endpoints is not None
+    return f"http://127.0.0.1:{endpoints.port}"
+
+
+def test_metrics_count_runs_by_outcome_lateness_and_the_ledger(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    running = start_listener(settings.replace(http="127.0.0.1:0"))
+    url = base(running)
+    done = [client.create(sample_tasks.Probe.record, f"m{i}", ttl_ms=50) for i in range(5)]
+    dead = client.create(sample_tasks.Probe.always_fail, "x", ttl_ms=50)
+    later = [client.create(sample_tasks.Probe.record, f"later{i}", ttl_s=600) for i in range(3)]
+    client.create(sample_tasks.Probe.record, "tomorrow", ttl_s=3 * 86400)
+    for key in done:
+        wait_status(client, key, TaskStatus.DONE)
+    wait_status(client, dead, TaskStatus.DEAD)
+    assert len(later) == 3
+
+    status, body = get(f"{url}/metrics")
+    assert status == 200
+    m = samples(body)
+    record = (("task", "Probe.record"),)
+    fail = (("task", "Probe.always_fail"),)
+    assert m[("keyexpiry_runs_total", (("outcome", "done"), *record))] == 5
+    # always_fail has two retries: three runs, the last one dead
+    assert m[("keyexpiry_runs_total", (("outcome", "retry"), *fail))] == 2
+    assert m[("keyexpiry_runs_total", (("outcome", "dead"), *fail))] == 1
+    assert m[("keyexpiry_lateness_seconds_count", record)] == 5
+    assert m[("keyexpiry_handler_seconds_count", fail)] == 3
+    # lateness is real: every run started after its due time, within the 1 h top bucket
+    assert m[("keyexpiry_lateness_seconds_bucket", (("le", "3600.0"), *record))] == 5
+    assert m[("keyexpiry_claims_total", (("result", "won"),))] >= 8
+    assert m[("keyexpiry_events_total", (("kind", "expired"),))] >= 6
+    assert m[("keyexpiry_tasks", (("status", "pending"),))] == 4
+    assert m[("keyexpiry_tasks", (("status", "dead"),))] == 1
+    assert m[("keyexpiry_pending", (("window", "1h"),))] == 3
+    assert m[("keyexpiry_pending", (("window", "later"),))] == 1
+    assert m[("keyexpiry_overdue", ())] == 0
+    assert m[("keyexpiry_ready", ())] == 1
+    assert m[("keyexpiry_ledger_up", ())] == 1
+    served = {name for name, _ in m} | {f.name for f in text_string_to_metric_families(body)}
+    missing = [n for n in NAMES if n not in served and n.removesuffix("_total") not in served]
+    assert not missing, f"documented but not served: {missing}"
+
+
+def test_healthz_and_unknown_paths(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    url = base(start_listener(settings.replace(http="127.0.0.1:0")))
+    assert get(f"{url}/healthz") == (200, "ok\n")
+    assert get(f"{url}/readyz") == (200, "ready\n")
+    assert get(f"{url}/nope")[0] == 404
+
+
+def test_bad_or_taken_http_addresses_are_refused_in_one_line(
+    settings: Settings, client: Client
+) -> None:
+    for bad in ("localhost", "host:port", "1.2.3.4:70000"):
+        with pytest.raises(ConfigError, match="HOST:PORT"):
+            settings.replace(http=bad)
+    assert parse_bind(":9464") == ("0.0.0.0", 9464)
+    assert parse_bind("[::1]:9464") == ("::1", 9464)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        from keyexpiry.listener import Listener
+
+        listener = Listener(settings.replace(http=f"127.0.0.1:{port}"))
+        try:
+            with pytest.raises(ConfigError, match="cannot listen"):
+                listener.serve_http()
+        finally:
+            listener.rt.close()
+
+
+def test_readyz_follows_redis_going_away_and_back(
+    redis_factory: RedisFactory, sqlite_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    server = redis_factory()
+    cfg = make_settings(server.url(0), sqlite_url, tmp_path, http="127.0.0.1:0")
+    sample_tasks.reset()
+    url = base(start_listener(cfg))
+    assert get(f"{url}/readyz")[0] == 200
+    server.kill()
+    wait_until(lambda: get(f"{url}/readyz")[0] == 503, 10, message="readyz stayed 200")
+    status, body = get(f"{url}/readyz")
+    assert status == 503 and "Redis" in body, body
+    assert get(f"{url}/healthz")[0] == 200  # alive, just not ready
+    server.start()
+    wait_until(lambda: get(f"{url}/readyz")[0] == 200, 15, message="readyz never came back")
+
+
+def test_readyz_follows_the_ledger_going_away_and_back(
+    mariadb_factory: MariaDBFactory, redis_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    db = mariadb_factory()
+    cfg = make_settings(redis_url, db.create_database("ready"), tmp_path, http="127.0.0.1:0")
+    sample_tasks.reset()
+    url = base(start_listener(cfg))
+    assert get(f"{url}/readyz")[0] == 200
+    db.stop()
+    wait_until(lambda: get(f"{url}/readyz")[0] == 503, 10, message="readyz stayed 200")
+    assert "ledger:" in get(f"{url}/readyz")[1]
+    m = samples(get(f"{url}/metrics")[1])
+    assert m[("keyexpiry_ready", ())] == 0
+    db.start()
+    wait_until(lambda: get(f"{url}/readyz")[0] == 200, 15, message="readyz never came back")
