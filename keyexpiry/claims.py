@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import Text, bindparam, select, update
 
 from keyexpiry.ledger import Ledger, retried_once
 from keyexpiry.rows import Outcome, TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
-from keyexpiry.table import T
+from keyexpiry.table import T, with_earlier_errors
 
 
 class ClaimQueries(Ledger):
@@ -116,7 +116,7 @@ class ClaimQueries(Ledger):
             status=bindparam("b_status"),
             finished_at_ms=bindparam("b_finished"),
             due_at_ms=bindparam("b_due"),
-            last_error=bindparam("b_error"),
+            last_error=with_earlier_errors(bindparam("b_error", type_=Text)),
             lease_until_ms=None,
             updated_at_ms=bindparam("b_now"),
         )

@@ -199,17 +199,7 @@ def create(
     tasks: str = TasksOpt,
 ) -> None:
     """Schedule CLASS.METHOD(ARG...) and print its key."""
-    when: dt.datetime | None = None
-    if at is not None:
-        try:
-            when = dt.datetime.fromisoformat(at)
-        except ValueError:
-            raise ConfigError(f"--at {at!r} is not an ISO 8601 time") from None
-        if when.tzinfo is None:
-            try:
-                when = when.astimezone()
-            except (OverflowError, ValueError, OSError):
-                raise ConfigError(f"--at {at!r} is out of range") from None
+    when = _when(at, "--at")
     if sum(x is not None for x in (ttl, ttl_ms, when)) != 1:
         raise ConfigError("give exactly one of --ttl, --ttl-ms or --at")
     with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
@@ -237,6 +227,92 @@ def cancel(
         row = client.store.get(key)
         state = "does not exist" if row is None else f"is {row.status}"
         raise KeyExpiryError(f"{key} {state}, not pending: nothing cancelled")
+
+
+def _when(value: str | None, flag: str) -> dt.datetime | None:
+    """An ISO 8601 time (naive = local) given on the command line, aware."""
+    if value is None:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r} is not an ISO 8601 time") from None
+    if when.tzinfo is None:
+        try:
+            when = when.astimezone()
+        except (OverflowError, ValueError, OSError):
+            raise ConfigError(f"{flag} {value!r} is out of range") from None
+    return when
+
+
+_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _since(value: str | None) -> dt.datetime | None:
+    """`--since`: an ISO 8601 time, or an age such as 30m, 12h, 7d."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text[:-1].isdigit() and text[-1:] in _UNITS_S:
+        age_s = int(text[:-1]) * _UNITS_S[text[-1]]
+        if age_s > 100 * 365 * 86400:
+            raise ConfigError(f"--since {value!r} is more than 100 years")
+        return dt.datetime.now(dt.UTC) - dt.timedelta(seconds=age_s)
+    return _when(text, "--since")
+
+
+@app.command()
+@_errors
+def retry(
+    ctx: typer.Context,
+    class_name: str = typer.Argument(None, metavar="[CLASS"),
+    method: str = typer.Argument(None, metavar="METHOD"),
+    args: list[str] = typer.Argument(None, metavar="[ARG]...]"),
+    dead: bool = typer.Option(False, "--dead", help="Retry every dead task (see --class)."),
+    only_class: str = typer.Option(None, "--class", help="With --dead: only this class."),
+    since: str = typer.Option(
+        None, "--since", help="With --dead: only tasks dead since (ISO time, or 30m, 12h, 7d)."
+    ),
+    at: str = typer.Option(None, "--at", help="Run at this ISO 8601 time, not now."),
+    tasks: str = TasksOpt,
+) -> None:
+    """Run a dead (or failed and waiting) task again, attempts reset; or all with --dead."""
+    when = _when(at, "--at")
+    if dead:
+        if class_name is not None:
+            raise ConfigError("give CLASS METHOD [ARG]... or --dead, not both")
+        after = _since(since)
+        with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
+            total = client.store.count_dead(
+                class_name=only_class,
+                since_ms=None if after is None else round(after.timestamp() * 1000),
+            )
+            with typer.progressbar(
+                length=total, label="retrying", file=sys.stderr, show_pos=True
+            ) as bar:
+                shown = [0]
+
+                def progress(done: int, _total: int) -> None:
+                    bar.update(done - shown[0])
+                    shown[0] = done
+
+                count = client.retry_dead(
+                    class_name=only_class, since=after, at=when, progress=progress
+                )
+        typer.echo(f"requeued {count} dead task(s)")
+        return
+    if only_class is not None or since is not None:
+        raise ConfigError("--class and --since go with --dead")
+    if class_name is None or method is None:
+        raise ConfigError("give CLASS METHOD [ARG]..., or --dead")
+    with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
+        key = _key(client, class_name, method, args or [])
+        if client.retry_keys([key], at=when):
+            typer.echo(f"requeued {key}")
+            return
+        row = client.store.get(key)
+        state = "does not exist" if row is None else f"is {row.status}, attempt {row.attempts}"
+        raise KeyExpiryError(f"{key} {state}: only dead or failed-and-waiting tasks are retried")
 
 
 @app.command()

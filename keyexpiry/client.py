@@ -150,6 +150,51 @@ class Client:
                 pass
         return cancelled
 
+    # --- retry --------------------------------------------------------------------------------
+    def retry(self, target: Target, *args: object, at: dt.datetime | None = None) -> bool:
+        """Run a dead task again (or one failed and waiting for its next attempt) now, or at
+        `at`: attempts start again from zero, its earlier errors stay on the row. False if it
+        is not dead or waiting (pending on its first attempt, running, done, or absent)."""
+        return bool(self.retry_keys([self.key_for(target, *args)], at=at))
+
+    def retry_keys(self, keys: Sequence[str], *, at: dt.datetime | None = None) -> list[str]:
+        """`retry` by key; returns the keys requeued."""
+        now_ms = self._now_ms()
+        due = now_ms if at is None else due_at_ms(now_ms, at=at)
+        requeued = self.store.retry(keys, due_at_ms=due, now_ms=now_ms)
+        self._arm([(k, due) for k in requeued], now_ms)
+        return requeued
+
+    def retry_dead(
+        self,
+        *,
+        class_name: str | None = None,
+        since: dt.datetime | None = None,
+        at: dt.datetime | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        page_rows: int = 500,
+    ) -> int:
+        """Retry every dead task (of `class_name`, dead since `since`); returns how many.
+
+        Walks the dead rows by id a page at a time (one transaction and one pipeline per page);
+        `progress(done, total)` is called after each page.
+        """
+        since_ms = None
+        if since is not None:
+            since_ms = due_at_ms(0, at=since)
+        total = self.store.count_dead(class_name=class_name, since_ms=since_ms)
+        done = after_id = 0
+        while True:
+            page = self.store.dead_page(
+                after_id=after_id, limit=page_rows, class_name=class_name, since_ms=since_ms
+            )
+            if not page:
+                return done
+            after_id = page[-1][0]
+            done += len(self.retry_keys([k for _, k in page], at=at))
+            if progress is not None:
+                progress(done, max(total, done))
+
     def get(self, target: Target, *args: object) -> TaskRow | None:
         """The ledger row of `target(*args)`, or None."""
         return self.store.get(self.key_for(target, *args))

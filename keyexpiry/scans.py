@@ -3,12 +3,12 @@ expired leases and their requeue."""
 
 from __future__ import annotations
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Text, func, literal, select, update
 
 from keyexpiry.ledger import Ledger, retried_once
 from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
-from keyexpiry.table import T
+from keyexpiry.table import T, with_earlier_errors
 
 
 class ScanQueries(Ledger):
@@ -111,7 +111,7 @@ class ScanQueries(Ledger):
                     due_at_ms=now_ms if status is TaskStatus.PENDING else row.due_at_ms,
                     finished_at_ms=now_ms if status is TaskStatus.DEAD else None,
                     lease_until_ms=None,
-                    last_error=error,
+                    last_error=with_earlier_errors(literal(error, Text)),
                     updated_at_ms=now_ms,
                 )
             )

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from sqlalchemy import func, inspect, select, update
+from sqlalchemy import and_, func, inspect, or_, select, update
 
 from keyexpiry.claims import ClaimQueries
 from keyexpiry.errors import StoreError
@@ -133,6 +133,72 @@ class Store(ClaimQueries, ScanQueries):
                 select(T.c.task_key).where(T.c.claimed_by == token, T.c.task_key.in_(list(keys)))
             )
             return [r[0] for r in got]
+
+    def retry(self, keys: Sequence[str], *, due_at_ms: int, now_ms: int) -> list[str]:
+        """Requeue those of `keys` that are dead or failed and waiting for their next attempt:
+        pending at `due_at_ms`, attempts reset, earlier errors kept. Returns the keys requeued."""
+        if not keys:
+            return []
+        # As in `cancel`: a token fixed before any retry keeps the answer truthful.
+        return self._retry(keys, due_at_ms, now_ms, f"retry:{uuid.uuid4().hex}")
+
+    @retried_once
+    def _retry(self, keys: Sequence[str], due_at_ms: int, now_ms: int, token: str) -> list[str]:
+        waiting = and_(T.c.status == TaskStatus.PENDING.value, T.c.attempts > 0)
+        with self._tx() as conn:
+            conn.execute(
+                update(T)
+                .where(
+                    T.c.task_key.in_(list(keys)),
+                    or_(T.c.status == TaskStatus.DEAD.value, waiting),
+                )
+                .values(
+                    status=TaskStatus.PENDING.value,
+                    attempts=0,
+                    due_at_ms=due_at_ms,
+                    updated_at_ms=now_ms,
+                    started_at_ms=None,
+                    finished_at_ms=None,
+                    lease_until_ms=None,
+                    claimed_by=token,
+                )
+            )
+            got = conn.execute(
+                select(T.c.task_key).where(T.c.claimed_by == token, T.c.task_key.in_(list(keys)))
+            )
+            return [r[0] for r in got]
+
+    @retried_once
+    def dead_page(
+        self,
+        *,
+        after_id: int,
+        limit: int,
+        class_name: str | None = None,
+        since_ms: int | None = None,
+    ) -> list[tuple[int, str]]:
+        """(id, key) of dead rows after `after_id`, by id: of one class, finished since a time."""
+        q = select(T.c.id, T.c.task_key).where(
+            T.c.status == TaskStatus.DEAD.value, T.c.id > after_id
+        )
+        if class_name is not None:
+            q = q.where(T.c.class_name == class_name)
+        if since_ms is not None:
+            q = q.where(T.c.finished_at_ms >= since_ms)
+        with self._tx() as conn:
+            rows = conn.execute(q.order_by(T.c.id).limit(limit)).all()
+        return [(int(i), str(k)) for i, k in rows]
+
+    @retried_once
+    def count_dead(self, *, class_name: str | None = None, since_ms: int | None = None) -> int:
+        """How many dead rows `dead_page` would walk."""
+        q = select(func.count()).where(T.c.status == TaskStatus.DEAD.value)
+        if class_name is not None:
+            q = q.where(T.c.class_name == class_name)
+        if since_ms is not None:
+            q = q.where(T.c.finished_at_ms >= since_ms)
+        with self._tx() as conn:
+            return int(conn.execute(q).scalar_one())
 
     @retried_once
     def get(self, key: str) -> TaskRow | None:

@@ -16,8 +16,10 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    case,
     create_engine,
     event,
+    func,
 )
 from sqlalchemy.dialects import mysql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
@@ -66,6 +68,19 @@ T = time_limit_task
 
 
 _LOCK_WAIT_MAX_S = 5
+
+ERROR_HISTORY_MAX_CHARS = 32_000
+EARLIER_ERRORS = "\n--- earlier attempts ---\n"
+"""Between a failed run's error and the errors of the attempts before it (newest first)."""
+
+
+def with_earlier_errors(new: Any) -> Any:
+    """`new` error text followed by the row's earlier ones, capped: a task that keeps failing
+    (and one an operator retries) shows every error of its current streak, newest first."""
+    return case(
+        (T.c.last_error.is_(None), new),
+        else_=func.substr(new + EARLIER_ERRORS + T.c.last_error, 1, ERROR_HISTORY_MAX_CHARS),
+    )
 
 
 def make_engine(url: str) -> Engine:

@@ -15,6 +15,8 @@ CALL_ARGS: dict[str, tuple[object, ...]] = {}
 RUN_DUES: dict[str, list[int]] = {}
 """The due time (ms) each run of a key was claimed for, in call order."""
 GATES: dict[str, threading.Event] = {}
+BROKEN: set[str] = set()
+"""Names `Probe.broken` fails for (until a test "fixes" them by removing the name)."""
 _lock = threading.Lock()
 RUNS_FILE_ENV = "KEYEXPIRY_TEST_RUNS_FILE"
 """`Probe.logged` appends each run's key to the file this variable names (in any process)."""
@@ -37,6 +39,7 @@ def reset() -> None:
         for gate in GATES.values():
             gate.set()
         GATES.clear()
+        BROKEN.clear()
 
 
 def runs_in(path: str | os.PathLike[str]) -> Counter[str]:
@@ -92,6 +95,12 @@ class Probe:
         _note(name)
         if current().attempt == 1:
             raise Retry("asks for a delay no schedule allows", delay_s=float("nan"))
+
+    @exposed(retry_schedule_s=[0.05])
+    def broken(self, name: str) -> None:
+        _note(name)
+        if name in BROKEN:
+            raise RuntimeError(f"{name} is broken (attempt {current().attempt})")
 
     @exposed
     def final(self, name: str) -> None:
