@@ -317,6 +317,39 @@ def retry(
 
 @app.command()
 @_errors
+def web(
+    ctx: typer.Context,
+    bind: str = typer.Option(
+        "127.0.0.1:8080", "--bind", envvar="KEYEXPIRY_WEB_BIND", metavar="HOST:PORT"
+    ),
+    tasks: str = TasksOpt,
+) -> None:
+    """Serve the dashboard (set KEYEXPIRY_WEB_TOKEN to require a token and bind beyond loopback)."""
+    import uvicorn
+
+    from keyexpiry.endpoints import parse_bind
+    from keyexpiry.web import create_app
+    from keyexpiry.web.security import is_loopback
+
+    host, port = parse_bind(bind)
+    token = os.environ.get("KEYEXPIRY_WEB_TOKEN") or None
+    if token is None:
+        if not is_loopback(host):
+            raise ConfigError(
+                f"--bind {bind}: without KEYEXPIRY_WEB_TOKEN the dashboard binds to loopback only"
+            )
+        logger.warning(
+            "no KEYEXPIRY_WEB_TOKEN: serving loopback clients only, without authentication"
+        )
+    settings = _settings(ctx, tasks=_tasks(tasks))
+    load_task_modules(settings.tasks)
+    app_ = create_app(settings, token=token)
+    logger.info("dashboard on http://{}:{}/", host if ":" not in host else f"[{host}]", port)
+    uvicorn.run(app_, host=host, port=port, log_level="warning", access_log=False)
+
+
+@app.command()
+@_errors
 def show(
     ctx: typer.Context,
     class_name: str = typer.Argument(..., metavar="CLASS"),

@@ -195,6 +195,14 @@ class Client:
             if progress is not None:
                 progress(done, max(total, done))
 
+    def run_now(self, keys: Sequence[str]) -> list[str]:
+        """Make those of `keys` that are pending due now (their key expires at once); returns
+        the keys moved."""
+        now_ms = self._now_ms()
+        moved = self.store.due_now(list(keys), now_ms=now_ms)
+        self._arm([(k, now_ms) for k in moved], now_ms)
+        return moved
+
     def get(self, target: Target, *args: object) -> TaskRow | None:
         """The ledger row of `target(*args)`, or None."""
         return self.store.get(self.key_for(target, *args))

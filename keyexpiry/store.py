@@ -17,6 +17,7 @@ from sqlalchemy import and_, func, inspect, or_, select, update
 from keyexpiry.claims import ClaimQueries
 from keyexpiry.errors import StoreError
 from keyexpiry.ledger import retried_once
+from keyexpiry.lookups import LookupQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.scans import ScanQueries
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-class Store(ClaimQueries, ScanQueries):
+class Store(ClaimQueries, ScanQueries, LookupQueries):
     """Queries on `time_limit_task`; every method raises StoreError, never a driver exception.
 
     Business code's queries (create, cancel, read) and the schema are here; the listener's are in

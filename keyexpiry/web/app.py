@@ -1,0 +1,271 @@
+"""The dashboard's pages and actions (Starlette, server-rendered; no JavaScript).
+
+Reads go through the ledger's indexed queries (the same ones `/metrics` uses for its counts);
+actions go through `Client` (retry, run now, cancel), so they behave exactly as the API does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlencode
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from keyexpiry.client import Client
+from keyexpiry.errors import KeyExpiryError
+from keyexpiry.rows import TaskRow, TaskStatus
+from keyexpiry.settings import Settings
+from keyexpiry.table import EARLIER_ERRORS
+from keyexpiry.web.security import SECURITY_HEADERS, Csrf, Guard
+
+_HERE = Path(__file__).parent
+_LIST_ROWS = 20
+_CHART_BUCKET_S = 300
+_CHART_BUCKETS = 12  # the next hour in 5-minute bars
+
+
+def _fmt_ms(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    try:
+        return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    except (OverflowError, ValueError, OSError):
+        return f"{ms} ms (not a date)"
+
+
+def _headline(error: str | None) -> str:
+    """The newest error's last line (a traceback ends with the exception and its message)."""
+    if not error:
+        return ""
+    newest = error.split(EARLIER_ERRORS, 1)[0].strip()
+    return newest.rsplit("\n", 1)[-1][:200]
+
+
+def _ago(ms: int | None, now_ms: int) -> str:
+    """`in 4m 10s` / `12s ago`: how far a time is from now."""
+    if ms is None:
+        return ""
+    delta_s = (ms - now_ms) / 1000
+    size = abs(delta_s)
+    if size < 1:
+        text = f"{abs(ms - now_ms)} ms"
+    elif size < 120:
+        text = f"{size:.0f}s"
+    elif size < 7200:
+        text = f"{size // 60:.0f}m {size % 60:.0f}s"
+    elif size < 172800:
+        text = f"{size // 3600:.0f}h {size % 3600 // 60:.0f}m"
+    else:
+        text = f"{size // 86400:.0f}d"
+    return f"in {text}" if delta_s > 0 else f"{text} ago"
+
+
+class Dashboard:
+    """The pages, over one `Client` opened at start-up."""
+
+    def __init__(self, make_client: Callable[[], Client], csrf: Csrf) -> None:
+        self._make_client = make_client
+        self._client: Client | None = None
+        self.csrf = csrf
+        self.env = Environment(
+            loader=FileSystemLoader(_HERE / "templates"),
+            autoescape=select_autoescape(["html"]),
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        self.env.filters["when"] = _fmt_ms
+        self.env.filters["headline"] = _headline
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = self._make_client()
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def render(self, request: Request, name: str, code: int = 200, **ctx: Any) -> Response:
+        now_ms = ctx.get("now_ms") or self.client.clock.now_ms()
+        html = self.env.get_template(name).render(
+            request=request,
+            url=lambda route, **q: _url(request, route, **q),
+            csrf=self.csrf.token,
+            ago=lambda ms: _ago(ms, now_ms),
+            message=request.query_params.get("msg"),
+            **ctx,
+        )
+        return HTMLResponse(html, status_code=code, headers=SECURITY_HEADERS)
+
+    # --- pages --------------------------------------------------------------------------------
+    def index(self, request: Request) -> Response:
+        store, now_ms = self.client.store, self.client.clock.now_ms()
+        counts = store.active_counts()
+        step_ms = _CHART_BUCKET_S * 1000
+        edges = [now_ms - 1000] + [now_ms + i * step_ms for i in range(_CHART_BUCKETS + 1)]
+        below = store.pending_due_before(edges)
+        overdue = below[0]
+        bars = [
+            (f"+{i * _CHART_BUCKET_S // 60}m", below[i + 2] - below[i + 1])
+            for i in range(_CHART_BUCKETS)
+        ]
+        return self.render(
+            request,
+            "index.html",
+            now_ms=now_ms,
+            counts={s: counts.get(s, 0) for s in ("pending", "running", "dead")},
+            overdue=overdue,
+            next_hour=below[-1] - below[1],
+            bars=bars,
+            bar_max=max([n for _, n in bars] + [1]),
+            overdue_rows=store.overdue_rows(now_ms=now_ms - 1000, limit=_LIST_ROWS),
+            running=store.rows_with_status(TaskStatus.RUNNING, limit=_LIST_ROWS),
+            retrying=store.retrying(limit=_LIST_ROWS),
+            dead=store.rows_with_status(TaskStatus.DEAD, limit=_LIST_ROWS, newest_first=True),
+        )
+
+    def tasks(self, request: Request) -> Response:
+        query = request.query_params.get("q", "").strip()
+        status_text = request.query_params.get("status", "")
+        status = None
+        if status_text:
+            try:
+                status = TaskStatus(status_text)
+            except ValueError:
+                return PlainTextResponse(f"unknown status {status_text!r}\n", status_code=400)
+        rows: list[TaskRow] = []
+        if query:
+            rows = self.client.store.search(self._key_prefix(query), status=status, limit=200)
+        return self.render(
+            request, "tasks.html", query=query, status=status_text, rows=rows, statuses=TaskStatus
+        )
+
+    def task(self, request: Request) -> Response:
+        key = request.query_params.get("key", "")
+        row = self.client.store.get(key) if key else None
+        if row is None:
+            return self.render(request, "missing.html", 404, key=key)
+        pttl = int(self.client.redis.pttl(key))
+        errors = row.last_error.split(EARLIER_ERRORS) if row.last_error else []
+        return self.render(
+            request,
+            "task.html",
+            row=row,
+            ttl_ms=pttl if pttl >= 0 else None,
+            errors=errors,
+            can_retry=row.status is TaskStatus.DEAD
+            or (row.status is TaskStatus.PENDING and row.attempts > 0),
+            can_run=row.status is TaskStatus.PENDING,
+            can_cancel=row.status is TaskStatus.PENDING,
+        )
+
+    # --- actions ------------------------------------------------------------------------------
+    async def act(self, request: Request) -> Response:
+        form = {
+            k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8", "replace")).items()
+        }
+        if not self.csrf.valid(request, form.get("csrf")):
+            return PlainTextResponse("bad or missing CSRF token\n", status_code=403)
+        action, key = request.path_params["action"], form.get("key", "")
+        try:
+            message = await run_in_threadpool(self._do, action, key)
+        except KeyExpiryError as exc:
+            message = f"error: {exc}"
+        return RedirectResponse(_url(request, "task", key=key, msg=message), status_code=303)
+
+    def _do(self, action: str, key: str) -> str:
+        client = self.client
+        if action == "retry":
+            return "requeued: runs now" if client.retry_keys([key]) else "not dead or waiting"
+        if action == "run":
+            return "due now" if client.run_now([key]) else "not pending: nothing to run"
+        if action == "cancel":
+            return "cancelled" if client.cancel_keys([key]) else "not pending: nothing cancelled"
+        return f"unknown action {action!r}"
+
+    def _key_prefix(self, query: str) -> str:
+        """A key, `Class`, `Class.method` or `Class@method@args`: the key prefix to look up."""
+        prefix = self.client.settings.key_prefix
+        if query.startswith(prefix) and "@" in query:
+            return query
+        class_name, dot, method = query.partition(".")
+        if dot:
+            return f"{prefix}{class_name}@{method}@"
+        if "@" in query:
+            return prefix + query
+        return f"{prefix}{query}@"
+
+
+_PATHS = {
+    "index": "/",
+    "tasks": "/tasks",
+    "task": "/task",
+    "retry": "/task/retry",
+    "run": "/task/run",
+    "cancel": "/task/cancel",
+    "css": "/static/dashboard.css",
+}
+
+
+def _url(request: Request, route: str, **query: Any) -> str:
+    """A page's URL under wherever the dashboard is mounted (the ASGI root_path)."""
+    base = request.scope.get("root_path", "").rstrip("/") + _PATHS[route]
+    clean = {k: v for k, v in query.items() if v not in (None, "")}
+    return f"{base}?{urlencode(clean)}" if clean else base
+
+
+def _static(request: Request) -> Response:
+    css = (_HERE / "static" / "dashboard.css").read_text()
+    return Response(css, media_type="text/css", headers={"Cache-Control": "max-age=3600"})
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    token: str | None = None,
+    client: Client | None = None,
+) -> Any:
+    """The dashboard as an ASGI app: serve it with `keyexpiry web`, or mount it in your own
+    Starlette/FastAPI app (`app.mount("/tasks", create_app(settings, token=...))`).
+
+    With `token`, every request needs `Authorization: Bearer TOKEN` (or Basic, password TOKEN);
+    without one only loopback clients are served.
+    """
+    made: list[Client] = []
+
+    def make_client() -> Client:
+        if client is not None:
+            return client
+        made.append(Client(settings or Settings.from_env()))
+        return made[-1]
+
+    dashboard = Dashboard(make_client, Csrf())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        yield
+        if made:
+            dashboard.close()
+
+    app = Starlette(
+        routes=[
+            Route("/", dashboard.index, name="index"),
+            Route("/tasks", dashboard.tasks, name="tasks"),
+            Route("/task", dashboard.task, name="task"),
+            Route("/task/{action}", dashboard.act, methods=["POST"], name="act"),
+            Route("/static/dashboard.css", _static, name="css"),
+        ],
+        lifespan=lifespan,
+    )
+    return Guard(app, token=token)

@@ -1,0 +1,170 @@
+"""The dashboard over HTTP (Starlette's TestClient) against a real Redis and ledger: what pages
+show, who may see them, and what actions do. The browser test is test_web_browser.py."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.testclient import TestClient
+from typer.testing import CliRunner
+
+from keyexpiry import Client, Settings
+from keyexpiry.cli import app as cli_app
+from keyexpiry.rows import Outcome
+from keyexpiry.store import TaskStatus
+from keyexpiry.web import create_app
+from tests import sample_tasks
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+record = sample_tasks.Probe.record
+
+
+@pytest.fixture
+def web(settings: Settings, client: Client) -> Iterator[TestClient]:
+    with TestClient(create_app(settings, token=TOKEN), headers=AUTH) as tc:
+        yield tc
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert found, "no CSRF token in the page"
+    return found.group(1)
+
+
+def make_dead(client: Client, name: str, error: str = "boom") -> str:
+    """A dead row with two errors, made through the store (no listener needed)."""
+    key = client.create(record, name, ttl_s=600)
+    now = client.clock.now_ms()
+    for attempt, status in ((1, TaskStatus.PENDING), (2, TaskStatus.DEAD)):
+        (row,) = client.store.claim([key], now_ms=now + 600_000, lease_until_ms=now + 1, token="t")
+        client.store.record(
+            [Outcome(row.id, key, "t", status, now, now, f"{error} {attempt}")], now
+        )
+    return key
+
+
+def test_every_request_needs_the_token(settings: Settings, client: Client) -> None:
+    with TestClient(create_app(settings, token=TOKEN)) as tc:
+        resp = tc.get("/")
+        assert resp.status_code == 401
+        assert resp.headers["www-authenticate"].startswith("Basic realm=")
+        assert tc.get("/", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert tc.get("/", headers=AUTH).status_code == 200
+        assert tc.get("/", auth=("anyone", TOKEN)).status_code == 200
+        assert tc.get("/", auth=("anyone", "nope")).status_code == 401
+        assert tc.get("/static/dashboard.css").status_code == 401
+
+
+def test_without_a_token_only_loopback_is_served(settings: Settings, client: Client) -> None:
+    app = create_app(settings)
+    with TestClient(app, client=("127.0.0.1", 5000)) as tc:
+        assert tc.get("/").status_code == 200
+    with TestClient(app, client=("10.1.2.3", 5000)) as tc:
+        resp = tc.get("/")
+        assert resp.status_code == 403 and "loopback" in resp.text
+    runner = CliRunner()
+    result = runner.invoke(
+        cli_app,
+        ["web", "--bind", "0.0.0.0:8080"],
+        env={"KEYEXPIRY_REDIS_URL": settings.redis_url or "", "KEYEXPIRY_WEB_TOKEN": ""},
+    )
+    assert result.exit_code == 1 and "loopback only" in result.stderr
+
+
+def test_the_overview_counts_and_lists_from_the_ledger(web: TestClient, client: Client) -> None:
+    for i in range(3):
+        client.create(record, f"soon{i}", ttl_s=60 + i)
+    client.create(record, "tomorrow", ttl_s=86400)
+    dead = make_dead(client, "d1")
+    page = web.get("/").text
+    assert re.search(r'id="dead-count">1<', page)
+    assert re.search(r'<span class="n">4</span> pending', page)
+    assert re.search(r'<span class="n">3</span> due in the next hour', page)
+    assert "<title>3 due +0m</title>" in page  # the chart's first 5-minute bar
+    assert dead in page and "boom 2" in page
+    assert 'content="default-src' not in page  # CSP is a header, not a meta tag
+    assert "default-src 'self'" in web.get("/").headers["content-security-policy"]
+
+
+def test_search_by_class_method_key_and_status(web: TestClient, client: Client) -> None:
+    client.create(record, "x y", ttl_s=60)
+    client.create(sample_tasks.Probe.always_fail, "z", ttl_s=60)
+    make_dead(client, "gone")
+    by_class = web.get("/tasks", params={"q": "Probe"}).text
+    assert "Probe@record@x%20y" in by_class and "Probe@always_fail@z" in by_class
+    by_method = web.get("/tasks", params={"q": "Probe.always_fail"}).text
+    assert "Probe@always_fail@z" in by_method and "Probe@record@x%20y" not in by_method
+    by_key = web.get("/tasks", params={"q": "Probe@record@x%20y"}).text
+    assert "Probe@record@x%20y" in by_key and "Probe@always_fail" not in by_key
+    dead_only = web.get("/tasks", params={"q": "Probe", "status": "dead"}).text
+    assert "Probe@record@gone" in dead_only and "x%20y" not in dead_only
+    # LIKE wildcards in a query are literal: `_` matches only an underscore
+    assert "Probe@record" not in web.get("/tasks", params={"q": "Probe.r_cord"}).text
+    assert web.get("/tasks", params={"q": "Probe", "status": "zzz"}).status_code == 400
+
+
+def test_a_task_page_shows_row_errors_and_ttl(web: TestClient, client: Client) -> None:
+    key = make_dead(client, "dead one")
+    page = web.get("/task", params={"key": key}).text
+    assert "Errors (2, newest first)" in page
+    assert page.index("boom 2") < page.index("boom 1")
+    assert 'id="action-retry"' in page and 'id="action-cancel"' not in page
+    pending = client.create(record, "later", ttl_s=300)
+    page = web.get("/task", params={"key": pending}).text
+    ttl = re.search(r"expires in (\d+) ms", page)
+    assert ttl and 290_000 < int(ttl.group(1)) <= 300_000
+    assert 'id="action-run"' in page and 'id="action-cancel"' in page
+    assert web.get("/task", params={"key": "Nope@x@1"}).status_code == 404
+
+
+def test_actions_need_the_csrf_token_and_act_like_the_client(
+    web: TestClient, client: Client
+) -> None:
+    dead = make_dead(client, "d")
+    page = web.get("/task", params={"key": dead}).text
+    token = csrf_of(page)
+    assert web.post("/task/retry", data={"key": dead}).status_code == 403
+    assert web.post("/task/retry", data={"key": dead, "csrf": "0" * 64}).status_code == 403
+    cross_site = web.post(
+        "/task/retry",
+        data={"key": dead, "csrf": token},
+        headers={"Origin": "https://evil.example"},
+    )
+    assert cross_site.status_code == 403
+    assert client.store.get(dead).status is TaskStatus.DEAD  # type: ignore[union-attr]
+
+    resp = web.post("/task/retry", data={"key": dead, "csrf": token}, follow_redirects=False)
+    assert resp.status_code == 303 and resp.headers["location"].startswith("/task?key=")
+    row = client.store.get(dead)
+    assert row is not None and (row.status, row.attempts) == (TaskStatus.PENDING, 0)
+    assert "boom 2" in (row.last_error or "")  # the history stays
+
+    later = client.create(record, "later", ttl_s=300)
+    page = web.post("/task/run", data={"key": later, "csrf": token}).text
+    assert "due now" in page
+    row = client.store.get(later)
+    assert row is not None and row.due_at_ms <= client.clock.now_ms()
+
+    other = client.create(record, "other", ttl_s=300)
+    assert "cancelled" in web.post("/task/cancel", data={"key": other, "csrf": token}).text
+    assert client.store.get(other).status is TaskStatus.CANCELLED  # type: ignore[union-attr]
+    assert client.ttl_ms(record, "other") is None
+    again = web.post("/task/cancel", data={"key": other, "csrf": token}).text
+    assert "not pending: nothing cancelled" in again
+
+
+def test_mounted_under_a_path_in_another_app(settings: Settings, client: Client) -> None:
+    outer = Starlette(routes=[Mount("/ops/tasks", create_app(settings, token=TOKEN))])
+    client.create(record, "m", ttl_s=60)
+    with TestClient(outer, headers=AUTH) as tc:
+        page = tc.get("/ops/tasks/").text
+        assert 'href="/ops/tasks/static/dashboard.css"' in page
+        assert 'action="/ops/tasks/tasks"' in page
+        assert tc.get("/ops/tasks/static/dashboard.css").status_code == 200
+        found = tc.get("/ops/tasks/tasks", params={"q": "Probe"}).text
+        assert 'href="/ops/tasks/task?key=Probe%40record%40m"' in found
