@@ -10,7 +10,7 @@ PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed-stamp
 BENCH_ARGS ?= --runs 3
 
-.PHONY: demo listen test lint format servers reliability bench-peers clean
+.PHONY: demo listen web test lint format servers reliability screenshots bench-peers clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -m venv $(VENV) 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv && $(PY) -m venv $(VENV); }
@@ -26,10 +26,12 @@ demo: $(STAMP)
 listen: $(STAMP)
 	$(BIN)/keyexpiry listen --tasks tasks.orders,tasks.auctions,tasks.refunds
 
-## servers: the real redis-server and MariaDB the tests start on loopback ports (and faketime)
+## servers: the real redis-server and MariaDB the tests start on loopback ports (and faketime, and
+## the headless Chromium the dashboard's browser test drives)
 servers:
-	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null && command -v faketime >/dev/null || { \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server mariadb-server faketime; }
+	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null && command -v faketime >/dev/null \
+	  && command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq redis-server mariadb-server faketime chromium; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check keyexpiry tasks tests
@@ -43,6 +45,14 @@ format: $(STAMP)
 ## test: the whole suite against real servers (installs what it needs)
 test: $(STAMP) servers lint
 	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
+
+## web: the dashboard on http://127.0.0.1:8080/ (loopback only unless KEYEXPIRY_WEB_TOKEN is set)
+web: $(STAMP)
+	$(BIN)/keyexpiry web --tasks tasks.orders,tasks.auctions,tasks.refunds
+
+## screenshots: the dashboard in headless Chromium, written to docs/dashboard*.png
+screenshots: $(STAMP) servers
+	KEYEXPIRY_SCREENSHOT_DIR=docs $(BIN)/pytest -p no:xdist tests/test_web_browser.py
 
 ## reliability: the fault suite alone, writing its table to docs/RELIABILITY.md
 reliability: $(STAMP) servers

@@ -1,0 +1,112 @@
+"""The dashboard in a real headless Chromium (Debian's `chromium`, driven by Playwright): log in
+with the token, read the overview, open a dead task, retry it and see it run.
+
+KEYEXPIRY_SCREENSHOT_DIR=docs makes it write the screenshots the docs show."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import free_port, wait_until
+from keyexpiry.store import TaskStatus
+from keyexpiry.web import create_app
+from tests import sample_tasks
+from tests.ke import Running, wait_status
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"  # `make servers` installs it
+TOKEN = "browser-token"
+StartListener = Callable[[Settings], Running]
+
+# Chromium's background services try the (closed) network at every start; the sandbox needs
+# user namespaces a root CI container may not have.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture
+def dashboard(settings: Settings, client: Client) -> Iterator[str]:
+    """The dashboard served by uvicorn on a loopback port, as `keyexpiry web` serves it."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings, token=TOKEN), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 15, message="uvicorn did not start")
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_an_operator_retries_a_dead_task_in_the_browser(
+    settings: Settings,
+    client: Client,
+    start_listener: StartListener,
+    dashboard: str,
+    tmp_path: Path,
+) -> None:
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import expect, sync_playwright
+
+    start_listener(settings)
+    sample_tasks.BROKEN.add("order-218")
+    dead = client.create(sample_tasks.Probe.broken, "order-218", ttl_ms=10)
+    wait_status(client, dead, TaskStatus.DEAD)
+    for i in range(40):  # something to chart: tasks over the next hour
+        client.create(sample_tasks.Probe.record, f"order-{1000 + i}", ttl_s=60 + i * 80)
+    shots = Path(os.environ.get("KEYEXPIRY_SCREENSHOT_DIR") or tmp_path)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            # Without credentials headless Chromium gets the 401 challenge and gives up.
+            with pytest.raises(PlaywrightError, match="AUTH"):
+                browser.new_page().goto(dashboard)
+            context = browser.new_context(
+                http_credentials={"username": "ops", "password": TOKEN},
+                viewport={"width": 1200, "height": 900},
+            )
+            page = context.new_page()
+            page.goto(dashboard)
+            expect(page.locator("#dead-count")).to_have_text("1")
+            expect(page.locator("svg.chart rect")).to_have_count(12)
+            page.screenshot(path=str(shots / "dashboard.png"), full_page=True)
+
+            page.get_by_role("link", name=dead).first.click()
+            expect(page.locator("#status")).to_have_text("dead")
+            expect(page.locator("pre.error").first).to_contain_text("order-218 is broken")
+            page.screenshot(path=str(shots / "dashboard-task.png"), full_page=True)
+
+            sample_tasks.BROKEN.discard("order-218")  # the cause is fixed: retry it
+            page.locator("#action-retry").click()
+            expect(page.get_by_role("status")).to_contain_text("requeued")
+            wait_status(client, dead, TaskStatus.DONE)
+            page.reload()
+            expect(page.locator("#status")).to_have_text("done")
+            expect(page.locator("#attempts")).to_have_text("1")
+
+            page.goto(dashboard)
+            expect(page.locator("#dead-count")).to_have_text("0")
+            page.fill("input[name=q]", "Probe.record")
+            page.get_by_role("button", name="Search").click()
+            expect(page.locator("td.key")).to_have_count(40)
+        finally:
+            browser.close()
