@@ -85,6 +85,7 @@ class Endpoints:
         self.registry.register(ListenerCollector(listener, self.readiness.ready))
         self.registry.register(LedgerCollector(listener.store, listener.clock.now_ms))
         # The run metrics live on the runtime (the workers observe them there).
+        listener.rt.metrics.declare(spec.label for spec in listener.registry.specs())
         self.registry.register(_Forward(listener.rt.metrics.registry))
         self._metrics_app = make_wsgi_app(self.registry)
         self._server: ThreadingWSGIServer | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,8 @@ LATENESS_BUCKETS_S = (
 )  # fmt: skip
 """Due time to handler start: 1 ms (what keyexpiry aims at) to an hour (an outage caught up)."""
 HANDLER_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600)
+
+OUTCOMES = ("done", "retry", "dead", "timeout")
 
 PENDING_WINDOWS_S = (("overdue", 0), ("1m", 60), ("1h", 3600), ("1d", 86400))
 """Pending tasks by when they fall due: already due, within a minute, an hour, a day, later."""
@@ -85,6 +87,13 @@ class RunMetrics:
             buckets=HANDLER_BUCKETS_S,
             registry=self.registry,
         )
+
+    def declare(self, tasks: Iterable[str]) -> None:
+        """Start every outcome series of `tasks` at 0, so the first dead run is an increase
+        a `rate()` or `increase()` alert can see (a series born at 1 is not)."""
+        for task in tasks:
+            for outcome in OUTCOMES:
+                self.runs.labels(task, outcome)
 
     def started(self, task: str, late_ms: int) -> None:
         """A handler starts `late_ms` after its task's due time."""

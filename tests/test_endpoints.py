@@ -93,6 +93,10 @@ def test_healthz_and_unknown_paths(
     settings: Settings, client: Client, start_listener: StartListener
 ) -> None:
     url = base(start_listener(settings.replace(http="127.0.0.1:0")))
+    # Before any run, every outcome series of every registered task is there at 0, so an
+    # alert on increase() sees the first dead run.
+    m = samples(get(f"{url}/metrics")[1])
+    assert m[("keyexpiry_runs_total", (("outcome", "dead"), ("task", "Probe.broken")))] == 0
     assert get(f"{url}/healthz") == (200, "ok\n")
     assert get(f"{url}/readyz") == (200, "ready\n")
     assert get(f"{url}/nope")[0] == 404
