@@ -85,8 +85,10 @@ class Endpoints:
         self.registry.register(ListenerCollector(listener, self.readiness.ready))
         self.registry.register(LedgerCollector(listener.store, listener.clock.now_ms))
         # The run metrics live on the runtime (the workers observe them there).
-        listener.rt.metrics.declare(spec.label for spec in listener.registry.specs())
-        self.registry.register(_Forward(listener.rt.metrics.registry))
+        run_metrics = listener.rt.metrics
+        run_metrics.declare(spec.label for spec in listener.registry.specs())
+        run_metrics.enabled = True
+        self.registry.register(run_metrics)
         self._metrics_app = make_wsgi_app(self.registry)
         self._server: ThreadingWSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -140,16 +142,6 @@ def _text(start_response: StartResponse, status: str, body: str) -> list[bytes]:
         ],
     )
     return [data]
-
-
-class _Forward:
-    """Collects another registry's metrics into this one."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Any:
-        return self._registry.collect()
 
 
 class _Quiet(WSGIRequestHandler):

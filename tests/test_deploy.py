@@ -22,7 +22,7 @@ METRIC = re.compile(r"keyexpiry_[a-z_]+")
 # Prometheus exposes a histogram as name_bucket/_count/_sum; only real histograms may take a
 # suffix, so `keyexpiry_ledger_query_seconds_bucket` (a gauge) is still caught.
 HISTOGRAMS = frozenset(
-    family.name for family in RunMetrics().registry.collect() if family.type == "histogram"
+    family.name for family in RunMetrics().collect() if family.type == "histogram"
 )
 # Every listener reports the same ledger numbers: a sum multiplies them by the listener count.
 SUMMED_LEDGER_GAUGE = re.compile(
