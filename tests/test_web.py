@@ -3,7 +3,12 @@ show, who may see them, and what actions do. The browser test is test_web_browse
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +18,7 @@ from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import free_port, wait_until
 from keyexpiry.cli import app as cli_app
 from keyexpiry.rows import Outcome
 from keyexpiry.store import TaskStatus
@@ -168,3 +174,34 @@ def test_mounted_under_a_path_in_another_app(settings: Settings, client: Client)
         assert tc.get("/ops/tasks/static/dashboard.css").status_code == 200
         found = tc.get("/ops/tasks/tasks", params={"q": "Probe"}).text
         assert 'href="/ops/tasks/task?key=Probe%40record%40m"' in found
+
+
+def test_keyexpiry_web_serves_the_dashboard(cli_env: dict[str, str], client: Client) -> None:
+    """The command as an operator runs it: a process, a port, the token."""
+    port = free_port()
+    env = {**os.environ, **cli_env, "KEYEXPIRY_WEB_TOKEN": TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keyexpiry", "web", "--bind", f"127.0.0.1:{port}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+    def status(headers: dict[str, str]) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return 0
+
+    try:
+        wait_until(lambda: status({}) != 0, 20, message="keyexpiry web did not start")
+        assert status({}) == 401
+        assert status(AUTH) == 200
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=15)
+    assert proc.returncode in (0, -15), err.decode()
