@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 import importlib
@@ -350,6 +351,39 @@ def web(
 
 @app.command()
 @_errors
+def listeners(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+) -> None:
+    """The listeners sharing this ledger: id, host, started, last heartbeat, running tasks."""
+    from keyexpiry.runtime import Runtime
+
+    settings = _settings(ctx)
+    rt = Runtime.open(settings)
+    try:
+        now_ms = rt.clock.now_ms()
+        rows = rt.store.listeners() if rt.store.table_exists() else []
+    finally:
+        rt.close()
+    silent_ms = int(settings.takeover_after_s * 1000)
+    if not rows and not as_json:
+        typer.echo("no listener is running")
+    for row in rows:
+        age_ms = now_ms - row.heartbeat_at_ms
+        state = "silent" if age_ms > silent_ms else "live"
+        if as_json:
+            data = dataclasses.asdict(row) | {"heartbeat_age_ms": age_ms, "state": state}
+            typer.echo(json.dumps(data))
+        else:
+            started = _local_time(row.started_at_ms, zone=False)
+            typer.echo(
+                f"{state:<6} {row.id:<40} {row.host:<20} started {started}  "
+                f"heartbeat {age_ms / 1000:.1f} s ago  running {row.running}"
+            )
+
+
+@app.command()
+@_errors
 def show(
     ctx: typer.Context,
     class_name: str = typer.Argument(..., metavar="CLASS"),
@@ -436,7 +470,7 @@ def reconcile(
 @app.command("init-db")
 @_errors
 def init_db(ctx: typer.Context) -> None:
-    """Create the time_limit_task table (idempotent)."""
+    """Create the ledger's tables, or add what an older ledger lacks (idempotent)."""
     from keyexpiry.runtime import open_store
 
     store = open_store(_settings(ctx))
@@ -444,7 +478,7 @@ def init_db(ctx: typer.Context) -> None:
         store.create_schema()
     finally:
         store.engine.dispose()
-    typer.echo("time_limit_task ready")
+    typer.echo("time_limit_task and keyexpiry_listener ready")
 
 
 @app.command()

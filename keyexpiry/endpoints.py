@@ -57,6 +57,8 @@ class Readiness:
         ledger = self._ledger()
         if ledger:
             out.append(f"ledger: {ledger}")
+        elif lst.fleet.failing:
+            out.append("heartbeat: not written (peers will take this listener's runs over)")
         return out
 
     def ready(self) -> bool:
@@ -83,7 +85,13 @@ class Endpoints:
         self.readiness = Readiness(listener)
         self.registry = CollectorRegistry()
         self.registry.register(ListenerCollector(listener, self.readiness.ready))
-        self.registry.register(LedgerCollector(listener.store, listener.clock.now_ms))
+        self.registry.register(
+            LedgerCollector(
+                listener.store,
+                listener.clock.now_ms,
+                live_window_s=listener.settings.takeover_after_s,
+            )
+        )
         # The run metrics live on the runtime (the workers observe them there).
         run_metrics = listener.rt.metrics
         run_metrics.declare(spec.label for spec in listener.registry.specs())

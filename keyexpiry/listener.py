@@ -18,6 +18,7 @@ from loguru import logger
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
 from keyexpiry.endpoints import Endpoints
+from keyexpiry.fleet import Fleet
 from keyexpiry.health import Health
 from keyexpiry.maintenance import Maintenance
 from keyexpiry.reconcile import Reconciler
@@ -52,6 +53,8 @@ class Listener:
         self.dispatcher = Dispatcher(rt)
         self.reconciler = Reconciler(rt, submit=self.dispatcher.submit)
         self.driver = ExpiryDriver(rt)
+        self.fleet = Fleet(rt, self.reconciler, running=lambda: self.dispatcher.inflight.count)
+        self._fleet_stop = threading.Event()
         # Looked up at call time (lambdas), so a test or a subclass may wrap these methods.
         self.health = Health(
             rt,
@@ -112,6 +115,13 @@ class Listener:
         maintenance = spawn(
             "reconcile", self.maintenance.loop, stopped=self._stop, errors=self.thread_errors
         )
+        # Beats on through the graceful stop: handlers still running are not a death.
+        fleet = spawn(
+            "heartbeat",
+            lambda: self.fleet.loop(self._fleet_stop),
+            stopped=self._fleet_stop,
+            errors=self.thread_errors,
+        )
         try:
             self.subscription.serve()
         finally:
@@ -122,6 +132,8 @@ class Listener:
             )
             self.driver.stop()
             self.dispatcher.stop(self.settings.shutdown_timeout_s)
+            self._fleet_stop.set()
+            fleet.join(timeout=5)
             self.subscription.close()
             self.maintenance.wake()
             maintenance.join(timeout=5)

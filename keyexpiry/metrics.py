@@ -60,6 +60,7 @@ NAMES = (
     "keyexpiry_tasks",
     "keyexpiry_pending",
     "keyexpiry_overdue",
+    "keyexpiry_listeners",
     "keyexpiry_ledger_up",
     "keyexpiry_ledger_query_seconds",
 )
@@ -187,6 +188,7 @@ class LedgerFigures:
     by_status: dict[str, int]
     pending_by_window: dict[str, int]
     overdue: int
+    live_listeners: int
     query_s: float
 
 
@@ -198,9 +200,15 @@ class LedgerCollector(Collector):
     """
 
     def __init__(
-        self, store: Store, now_ms: Callable[[], int], *, min_interval_s: float = 5.0
+        self,
+        store: Store,
+        now_ms: Callable[[], int],
+        *,
+        live_window_s: float = 5.0,
+        min_interval_s: float = 5.0,
     ) -> None:
         self._store = store
+        self._live_window_ms = int(live_window_s * 1000)
         self._now_ms = now_ms
         self._min_interval_s = min_interval_s
         self._lock = threading.Lock()
@@ -219,6 +227,7 @@ class LedgerCollector(Collector):
                     by_status = self._store.active_counts()
                     edges = [now_ms + s * 1000 for _, s in PENDING_WINDOWS_S]
                     cumulative = self._store.pending_due_before([now_ms - 1000, *edges])
+                    live = self._store.count_live(now_ms - self._live_window_ms)
                 except Exception:
                     self.up = False
                     self._cached = None
@@ -232,7 +241,7 @@ class LedgerCollector(Collector):
                     prev = n
                 windows["later"] = by_status.get("pending", 0) - prev
                 self._cached = LedgerFigures(
-                    by_status, windows, overdue, time.perf_counter() - started
+                    by_status, windows, overdue, live, time.perf_counter() - started
                 )
             return self._cached
 
@@ -262,6 +271,11 @@ class LedgerCollector(Collector):
         )
         overdue.add_metric([], figures.overdue)
         yield overdue
+        live = GaugeMetricFamily(
+            "keyexpiry_listeners", "Listeners whose heartbeat is fresh (the whole fleet)."
+        )
+        live.add_metric([], figures.live_listeners)
+        yield live
         took = GaugeMetricFamily(
             "keyexpiry_ledger_query_seconds", "Time the last ledger read for these figures took."
         )

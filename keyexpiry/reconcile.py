@@ -144,19 +144,46 @@ class Reconciler:
 
     def _requeue_expired_leases(self, report: ReconcileReport, dry_run: bool) -> None:
         now_ms = self.clock.now_ms()
+        self._requeue(self.store.expired_leases(now_ms), report, dry_run, now_ms, "lease expired")
+
+    def requeue_runs_of(self, listener_id: str) -> ReconcileReport:
+        """Requeue the running tasks of a listener that stopped beating (heartbeats, not
+        leases: a killed listener's runs come back in seconds, whatever their timeout)."""
+        report = ReconcileReport()
+        now_ms = self.clock.now_ms()
+        rows = self.store.runs_of(listener_id)
+        self._requeue(rows, report, False, now_ms, "heartbeat lost", lease_expired=False)
+        return report
+
+    def _requeue(
+        self,
+        rows: list[TaskRow],
+        report: ReconcileReport,
+        dry_run: bool,
+        now_ms: int,
+        why: str,
+        *,
+        lease_expired: bool = True,
+    ) -> None:
         requeued: list[str] = []
-        for row in self.store.expired_leases(now_ms):
+        for row in rows:
             log = logger.bind(key=row.key, attempt=row.attempts)
             report.lease_expired += 1
             if dry_run:
                 continue
-            error = f"lease expired: listener {row.claimed_by} stopped before recording an outcome"
+            error = f"{why}: listener {row.claimed_by} stopped before recording an outcome"
             if row.attempts >= self._max_attempts(row):
-                if self.store.requeue_lost(row, status=TaskStatus.DEAD, error=error, now_ms=now_ms):
+                if self.store.requeue_lost(
+                    row, status=TaskStatus.DEAD, error=error, now_ms=now_ms,
+                    lease_expired=lease_expired,
+                ):  # fmt: skip
                     report.dead += 1
                     log.error("{}; out of attempts, task is dead", error)
                 continue
-            if self.store.requeue_lost(row, status=TaskStatus.PENDING, error=error, now_ms=now_ms):
+            if self.store.requeue_lost(
+                row, status=TaskStatus.PENDING, error=error, now_ms=now_ms,
+                lease_expired=lease_expired,
+            ):  # fmt: skip
                 log.warning("{}; running it again", error)
                 requeued.append(row.key)
         if requeued:

@@ -95,17 +95,28 @@ class ScanQueries(Ledger):
         return [_row(r) for r in rows]
 
     @retried_once
-    def requeue_lost(self, row: TaskRow, *, status: TaskStatus, error: str, now_ms: int) -> bool:
-        """Move a lease-expired run to pending (due now) or dead; False if someone else did."""
+    def requeue_lost(
+        self,
+        row: TaskRow,
+        *,
+        status: TaskStatus,
+        error: str,
+        now_ms: int,
+        lease_expired: bool = True,
+    ) -> bool:
+        """Move a lost run (its lease expired, or `lease_expired=False`: its listener stopped
+        beating) to pending (due now) or dead; False if someone else did."""
+        conditions = [
+            T.c.id == row.id,
+            T.c.status == TaskStatus.RUNNING.value,
+            T.c.claimed_by == row.claimed_by,
+        ]
+        if lease_expired:
+            conditions.append(T.c.lease_until_ms < now_ms)
         with self._tx() as conn:
             result = conn.execute(
                 update(T)
-                .where(
-                    T.c.id == row.id,
-                    T.c.status == TaskStatus.RUNNING.value,
-                    T.c.claimed_by == row.claimed_by,
-                    T.c.lease_until_ms < now_ms,
-                )
+                .where(*conditions)
                 .values(
                     status=status.value,
                     due_at_ms=now_ms if status is TaskStatus.PENDING else row.due_at_ms,

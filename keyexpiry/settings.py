@@ -76,6 +76,10 @@ class Settings:
     canary_interval_s: float = 30.0
     lease_check_s: float = 10.0
     stuck_after_s: float = 5.0
+    heartbeat_s: float = 1.0
+    """How often a listener writes its heartbeat to the ledger."""
+    takeover_after_s: float = 5.0
+    """A listener silent this long is dead: a live one requeues its running tasks."""
     driver: bool = True
     driver_window_s: float = 60.0
     driver_max_rows: int = 50_000
@@ -132,6 +136,8 @@ class Settings:
             )  # fmt: skip
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ConfigError("reconnect_max_s must be >= reconnect_initial_s")
+        if self.takeover_after_s < 2 * self.heartbeat_s:
+            raise ConfigError("takeover_after_s must be at least twice heartbeat_s")
         if self.wake_ahead_s < self.driver_window_s:
             raise ConfigError("driver_window_s must be at most wake_ahead_s")
         schedule = limits.delays(self.retry_schedule_s, "retry_schedule_s", ConfigError)
@@ -172,6 +178,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "canary_interval_s": (0, limits.DAY_S),
     "lease_check_s": (0, limits.DAY_S),
     "stuck_after_s": (0, limits.DAY_S),
+    "heartbeat_s": (0, 60),
+    "takeover_after_s": (0, limits.DAY_S),
     "driver_window_s": (0, limits.DAY_S),
     "driver_max_rows": (100, 10_000_000),
     "wake_ahead_s": (0, 7 * limits.DAY_S),
@@ -180,7 +188,7 @@ _RANGES: dict[str, tuple[float, float]] = {
 _WHOLE = ("concurrency", "sentinel_count", "claim_batch", "driver_max_rows")
 _ABOVE_ZERO = (
     "handler_timeout_s", "sentinel_interval_s", "reconnect_initial_s", "reconnect_max_s",
-    "canary_interval_s", "lease_check_s", "driver_window_s",
+    "canary_interval_s", "lease_check_s", "driver_window_s", "heartbeat_s",
 )  # fmt: skip
 """Settings that must be strictly positive (a zero would spin or time out at once)."""
 

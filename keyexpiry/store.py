@@ -16,6 +16,7 @@ from sqlalchemy import and_, func, inspect, or_, select, update
 
 from keyexpiry.claims import ClaimQueries
 from keyexpiry.errors import StoreError
+from keyexpiry.heartbeats import HeartbeatQueries
 from keyexpiry.ledger import retried_once
 from keyexpiry.lookups import LookupQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 
-class Store(ClaimQueries, ScanQueries, LookupQueries):
+class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries):
     """Queries on `time_limit_task`; every method raises StoreError, never a driver exception.
 
     Business code's queries (create, cancel, read) and the schema are here; the listener's are in

@@ -66,6 +66,25 @@ time_limit_task = Table(
 )
 T = time_limit_task
 
+LISTENER_TABLE = "keyexpiry_listener"
+keyexpiry_listener = Table(
+    LISTENER_TABLE,
+    metadata,
+    # The listener's identity, as in `claimed_by` (host:pid:random; claims add ":N").
+    Column("id", String(96), primary_key=True),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at_ms", BigInteger, nullable=False),
+    Column("heartbeat_at_ms", BigInteger, nullable=False),
+    Column("running", Integer, nullable=False),
+    Index("ix_keyexpiry_listener_heartbeat", "heartbeat_at_ms"),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+    # sql/keyexpiry_listener.sql must say the same; tests/test_ddl.py checks that it does.
+)
+"""Live listeners and their last heartbeat: a silent one's runs are taken over."""
+L = keyexpiry_listener
+
 
 _LOCK_WAIT_MAX_S = 5
 

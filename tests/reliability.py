@@ -69,6 +69,7 @@ class Verdict:
         at_least_once: bool = False,
         calls: Mapping[str, int] | None = None,
         cancelled: Sequence[str] = (),
+        fault_at_ms: int | None = None,
     ) -> Row:
         """Wait until every key is done (or `timeout_s` passes), record, then assert.
 
@@ -77,6 +78,8 @@ class Verdict:
         documented crash windows, where a second run is allowed. `calls` counts handler
         runs (default: the in-process sample tasks). `cancelled` lists tasks whose
         cancel returned True: each must be `cancelled` in the ledger and never have run.
+        `fault_at_ms`, when given, is where recovery is measured from, whatever the due times
+        (a requeue moves them).
         """
         deadline = time.monotonic() + timeout_s
         rows = client.store.get_many(list(keys))
@@ -97,6 +100,8 @@ class Verdict:
         ]
         done = [r for r in rows.values() if r.status is TaskStatus.DONE]
         start_ms = max([r.due_at_ms for r in rows.values()] + [since_ms or 0])
+        if fault_at_ms is not None:
+            start_ms = fault_at_ms
         end_ms = max((r.finished_at_ms or 0 for r in done), default=start_ms)
         row = Row(
             scenario=self.scenario,

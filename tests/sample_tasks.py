@@ -118,5 +118,11 @@ class Probe:
         _note(name)
         gate(name).wait(20)
 
+    @exposed(timeout_s=60)
+    def stall(self, name: str) -> None:
+        """Blocks (up to 120 s) until its gate opens: a handler with a long timeout."""
+        _note(name)
+        gate(name).wait(120)
+
     def not_exposed(self, name: str) -> None:
         raise AssertionError("a key must never reach a method that is not exposed")

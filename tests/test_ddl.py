@@ -10,22 +10,21 @@ from keyexpiry.bench.servers import MariaDBServer
 from keyexpiry.store import NewTask, Store, TaskStatus, make_engine, metadata
 
 DDL = Path(__file__).resolve().parents[1] / "sql" / "time_limit_task.sql"
+LISTENER_DDL = DDL.with_name("keyexpiry_listener.sql")
 
 
-def _describe(url: str) -> tuple[dict[str, str], set[tuple[str, tuple[str, ...]]], set[str]]:
+def _describe(
+    url: str, table: str = "time_limit_task"
+) -> tuple[dict[str, str], set[tuple[str, tuple[str, ...]]], set[str]]:
     engine = create_engine(url)
     try:
         insp = inspect(engine)
-        cols = {
-            c["name"]: f"{c['type']!r}|{c['nullable']}" for c in insp.get_columns("time_limit_task")
-        }
+        cols = {c["name"]: f"{c['type']!r}|{c['nullable']}" for c in insp.get_columns(table)}
         idx = {
-            (i["name"], tuple(str(c) for c in i["column_names"]))
-            for i in insp.get_indexes("time_limit_task")
+            (i["name"], tuple(str(c) for c in i["column_names"])) for i in insp.get_indexes(table)
         }
         uniq = {
-            ",".join(str(c) for c in u["column_names"])
-            for u in insp.get_unique_constraints("time_limit_task")
+            ",".join(str(c) for c in u["column_names"]) for u in insp.get_unique_constraints(table)
         }
     finally:
         engine.dispose()
@@ -45,6 +44,7 @@ def test_sql_file_and_model_create_the_same_table(
         engine = create_engine(mysql_url)
         with engine.begin() as c:
             c.execute(text(DDL.read_text()))
+            c.execute(text(LISTENER_DDL.read_text()))
         engine.dispose()
         model_engine = create_engine(other)
         metadata.create_all(model_engine)
@@ -52,6 +52,9 @@ def test_sql_file_and_model_create_the_same_table(
         from_sql = _describe(mysql_url)
         assert len(from_sql[0]) == 16 and len(from_sql[1]) >= 3 and from_sql[2]
         assert from_sql == _describe(other)
+        listeners = _describe(mysql_url, "keyexpiry_listener")
+        assert len(listeners[0]) == 6 and listeners[1]
+        assert listeners == _describe(other, "keyexpiry_listener")
     finally:
         mariadb_server.drop_database(other.rsplit("/", 1)[1])
 
@@ -61,7 +64,11 @@ def test_table_from_sql_file_works_through_the_model(mysql_url: str) -> None:
     with engine.begin() as c:
         c.execute(text(DDL.read_text()))
     store = Store(engine)
-    store.create_schema()  # a no-op on an existing table
+    store.upsert_pending([NewTask("A@m@0", "A", "m", ("0",), 1000)], 1)  # a ledger in use
+    store.create_schema()  # on a ledger from before heartbeats: adds their table, twice
+    store.create_schema()
+    assert inspect(engine).has_table("keyexpiry_listener")
+    assert store.get("A@m@0") is not None and store.listeners() == []
     store.upsert_pending([NewTask("A@m@%F0%9F%8E%88", "A", "m", ("🎈",), 1000)], 1)
     (row,) = store.claim(["A@m@%F0%9F%8E%88"], now_ms=1000, lease_until_ms=2000, token="t")
     assert row.args == ("🎈",) and row.status is TaskStatus.RUNNING

@@ -58,6 +58,47 @@ def test_listener_killed_mid_handler_is_run_again_elsewhere(
     verdict.check(client, [key], at_least_once=True, calls={key: row.attempts})
 
 
+def test_listener_killed_with_60s_handlers_is_taken_over_in_seconds(
+    client: Client, settings: Settings, start_listener: StartListener, verdict: Verdict
+) -> None:
+    """kill -9 of a listener whose handlers have a 60 s timeout (lease 61 s): a live peer
+    notices the silent heartbeat (default 1 s beats, 5 s takeover) and runs them again."""
+    env = {**listener_env(settings), "KEYEXPIRY_CONCURRENCY": "4"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keyexpiry", "listen"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    keys: list[str] = []
+    try:
+        keys = [client.create("Probe.stall", f"k{i}", ttl_ms=50) for i in range(4)]
+        for key in keys:
+            sample_tasks.gate(key.rsplit("@", 1)[1]).set()  # here they return at once
+            wait_status(client, key, TaskStatus.RUNNING, timeout_s=20)
+        start_listener(settings)  # the peer that will take over
+        kill_ms = client.clock.now_ms()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for key in keys:
+        wait_status(client, key, TaskStatus.DONE, timeout_s=30)
+    row = verdict.check(
+        client,
+        keys,
+        fault_at_ms=kill_ms,
+        at_least_once=True,
+        calls={k: r.attempts for k, r in client.store.get_many(keys).items()},
+    )
+    # From the kill to the last rerun's end: about the 5 s takeover; the lease was 61 s.
+    assert row.recover_s <= 15, row
+    assert all(r.attempts == 2 for r in client.store.get_many(keys).values())
+
+
 def test_database_down_during_create_is_a_clear_error_and_leaves_no_key(
     mariadb_factory: MariaDBFactory, redis_url: str, tmp_path: Path
 ) -> None:

@@ -1,0 +1,86 @@
+"""Listeners know each other by heartbeats: each writes its row every `heartbeat_s`; one silent
+for `takeover_after_s` is dead, and whichever live listener notices first requeues its running
+tasks. A killed listener's work then waits seconds, not its handlers' timeout plus the lease
+grace; a slow listener keeps beating (its own thread), so its runs are never taken."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+import redis
+from loguru import logger
+
+from keyexpiry.errors import StoreError
+from keyexpiry.heartbeats import ListenerRow
+from keyexpiry.reconcile import Reconciler
+from keyexpiry.runtime import Runtime
+
+
+class Fleet:
+    """This listener's heartbeat and the takeover of silent peers."""
+
+    def __init__(self, rt: Runtime, reconciler: Reconciler, running: Callable[[], int]) -> None:
+        self.rt = rt
+        self._reconciler = reconciler
+        self._running = running
+        self._started_ms: int | None = None
+        self.failing = False
+        """True while heartbeats cannot be written (peers will take this listener's runs)."""
+        self.beats = 0
+        self.takeovers = 0
+        """Silent listeners whose runs this one requeued."""
+
+    def beat(self) -> None:
+        """Write the heartbeat, then take over any peer silent for too long."""
+        now_ms = self.rt.clock.now_ms()
+        if self._started_ms is None:
+            self._started_ms = now_ms
+        row = ListenerRow(
+            self.rt.owner, socket.gethostname(), os.getpid(), self._started_ms, now_ms,
+            self._running(),
+        )  # fmt: skip
+        self.rt.store.beat(row)
+        self.beats += 1
+        silent_before = now_ms - int(self.rt.settings.takeover_after_s * 1000)
+        for peer in self.rt.store.silent(silent_before):
+            if peer != self.rt.owner:
+                self._take_over(peer, silent_before)
+
+    def _take_over(self, peer: str, silent_before_ms: int) -> None:
+        report = self._reconciler.requeue_runs_of(peer)
+        # Deleted only if still silent: a paused listener that resumed meanwhile keeps its row.
+        if self.rt.store.forget(peer, silent_before_ms=silent_before_ms):
+            self.takeovers += 1
+            logger.warning(
+                "listener {} silent for over {:g} s: took over, {} running task(s) requeued, "
+                "{} dead",
+                peer,
+                self.rt.settings.takeover_after_s,
+                report.lease_expired - report.dead,
+                report.dead,
+            )
+
+    def loop(self, stopped: threading.Event) -> None:
+        """Beat every `heartbeat_s` until `stopped`; then remove this listener's row."""
+        while not stopped.is_set():
+            try:
+                self.beat()
+                if self.failing:
+                    logger.info("heartbeats are written again")
+                self.failing = False
+            except (StoreError, redis.RedisError, OSError) as exc:
+                if not self.failing:
+                    logger.warning("cannot write this listener's heartbeat: {}", exc)
+                self.failing = True
+            stopped.wait(self.rt.settings.heartbeat_s)
+        self.leave()
+
+    def leave(self) -> None:
+        """Remove this listener's row (a clean stop is not a death to take over)."""
+        try:
+            self.rt.store.forget(self.rt.owner)
+        except (StoreError, redis.RedisError, OSError) as exc:
+            logger.debug("could not remove this listener's heartbeat row: {}", exc)

@@ -1,0 +1,101 @@
+"""The listener table's queries: heartbeats, who is silent, and the runs a silent one left."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import delete, insert, select, update
+
+from keyexpiry.ledger import Ledger, retried_once
+from keyexpiry.rows import TaskRow, TaskStatus
+from keyexpiry.rows import row_from_db as _row
+from keyexpiry.table import L, T
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerRow:
+    """One listener as its last heartbeat described it (times in epoch ms, Redis's clock)."""
+
+    id: str
+    host: str
+    pid: int
+    started_at_ms: int
+    heartbeat_at_ms: int
+    running: int
+
+
+def _like_prefix(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + ":%"
+
+
+class HeartbeatQueries(Ledger):
+    """Reads and writes of `keyexpiry_listener`, and the runs of a listener by its id."""
+
+    @retried_once
+    def beat(self, row: ListenerRow) -> None:
+        """Write this listener's heartbeat (its row is recreated if a peer took it over)."""
+        values = {
+            "heartbeat_at_ms": row.heartbeat_at_ms,
+            "running": row.running,
+            "host": row.host,
+            "pid": row.pid,
+            "started_at_ms": row.started_at_ms,
+        }
+        with self._tx() as conn:
+            updated = conn.execute(update(L).where(L.c.id == row.id).values(**values)).rowcount
+            if not updated:
+                conn.execute(insert(L).values(id=row.id, **values))
+
+    @retried_once
+    def listeners(self) -> list[ListenerRow]:
+        """Every listener row, most recent heartbeat first."""
+        with self._tx() as conn:
+            rows = conn.execute(select(L).order_by(L.c.heartbeat_at_ms.desc(), L.c.id)).all()
+        return [
+            ListenerRow(
+                str(r.id),
+                str(r.host),
+                int(r.pid),
+                int(r.started_at_ms),
+                int(r.heartbeat_at_ms),
+                int(r.running),
+            )
+            for r in rows
+        ]
+
+    @retried_once
+    def count_live(self, since_ms: int) -> int:
+        """Listeners whose last heartbeat is at or after `since_ms`."""
+        with self._tx() as conn:
+            rows = conn.execute(select(L.c.id).where(L.c.heartbeat_at_ms >= since_ms)).all()
+        return len(rows)
+
+    @retried_once
+    def silent(self, before_ms: int) -> list[str]:
+        """Ids of listeners whose last heartbeat is older than `before_ms`."""
+        with self._tx() as conn:
+            rows = conn.execute(select(L.c.id).where(L.c.heartbeat_at_ms < before_ms)).all()
+        return [str(r[0]) for r in rows]
+
+    @retried_once
+    def forget(self, listener_id: str, *, silent_before_ms: int | None = None) -> bool:
+        """Delete a listener's row (only if still silent, when `silent_before_ms` is given)."""
+        q = delete(L).where(L.c.id == listener_id)
+        if silent_before_ms is not None:
+            q = q.where(L.c.heartbeat_at_ms < silent_before_ms)
+        with self._tx() as conn:
+            return bool(conn.execute(q).rowcount)
+
+    @retried_once
+    def runs_of(self, listener_id: str, limit: int = 1000) -> list[TaskRow]:
+        """Running rows claimed by `listener_id` (the claimed_by index, by prefix)."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T)
+                .where(
+                    T.c.claimed_by.like(_like_prefix(listener_id), escape="\\"),
+                    T.c.status == TaskStatus.RUNNING.value,
+                )
+                .limit(limit)
+            ).all()
+        return [_row(r) for r in rows]

@@ -1,0 +1,89 @@
+"""Heartbeats: listeners know each other, a silent one's running tasks are taken over in
+seconds, a slow but beating one keeps its runs; `keyexpiry listeners`. Real Redis + ledgers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from typer.testing import CliRunner
+
+from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import wait_until
+from keyexpiry.cli import app
+from keyexpiry.clock import monotonic_s
+from keyexpiry.heartbeats import ListenerRow
+from keyexpiry.store import TaskStatus
+from tests import sample_tasks
+from tests.ke import Running, wait_status
+
+StartListener = Callable[[Settings], Running]
+QUICK = {"heartbeat_s": 0.2, "takeover_after_s": 1.0}
+
+
+def test_a_listener_announces_itself_and_leaves_when_stopped(
+    settings: Settings, client: Client, start_listener: StartListener, cli_env: dict[str, str]
+) -> None:
+    running = start_listener(settings.replace(**QUICK))
+    owner = running.listener.owner
+    wait_until(lambda: [r.id for r in client.store.listeners()] == [owner], 5)
+    sample_tasks.gate("busy").clear()
+    key = client.create(sample_tasks.Probe.wait, "busy", ttl_ms=10)
+    wait_until(lambda: client.store.listeners()[0].running == 1, 5, message="running not shown")
+
+    env = {**cli_env, "KEYEXPIRY_DATABASE_URL": settings.database_url or ""}
+    result = CliRunner().invoke(app, ["listeners", "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    (shown,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert shown["id"] == owner and shown["state"] == "live" and shown["running"] == 1
+    assert shown["heartbeat_age_ms"] < 1000
+
+    sample_tasks.gate("busy").set()
+    wait_status(client, key, TaskStatus.DONE)
+    running.stop()
+    assert client.store.listeners() == []
+    result = CliRunner().invoke(app, ["listeners"], env=env)
+    assert result.stdout.strip() == "no listener is running"
+
+
+def test_a_silent_listeners_runs_are_taken_over_long_before_their_lease_ends(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    """A listener that died (its row stopped beating) with a run whose lease has a minute to
+    go: a live listener requeues it within the takeover window and runs it."""
+    key = client.create(sample_tasks.Probe.record, "orphan", ttl_s=600)
+    now = client.clock.now_ms()
+    client.store.claim(
+        [key], now_ms=now + 600_000, lease_until_ms=now + 60_000, token="gone:1:abc:7"
+    )
+    client.store.beat(ListenerRow("gone:1:abc", "gone", 1, now - 60_000, now - 10_000, 1))
+    started = monotonic_s()
+    start_listener(settings.replace(**QUICK))
+    done = wait_status(client, key, TaskStatus.DONE, timeout_s=15)
+    took_s = monotonic_s() - started
+    assert took_s < 10, took_s
+    assert done.attempts == 2 and sample_tasks.CALLS[key] == 1
+    assert "gone:1:abc" not in [r.id for r in client.store.listeners()]
+
+
+def test_a_slow_listener_that_beats_keeps_its_runs(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    """A handler running three takeover windows long, with a second listener watching: the
+    run is never taken over (its listener's heartbeat thread goes on while it runs)."""
+    quick = settings.replace(**QUICK)
+    first = start_listener(quick)
+    sample_tasks.gate("slow").clear()
+    key = client.create(sample_tasks.Probe.wait, "slow", ttl_ms=10)
+    wait_status(client, key, TaskStatus.RUNNING)
+    second = start_listener(quick)
+    wait_until(lambda: len(client.store.listeners()) == 2, 5)
+    deadline = monotonic_s() + 3 * quick.takeover_after_s
+    wait_until(lambda: monotonic_s() > deadline, 10, interval_s=0.05)
+    row = client.store.get(key)
+    assert row is not None and row.status is TaskStatus.RUNNING and row.attempts == 1
+    assert row.claimed_by is not None and row.claimed_by.startswith(first.listener.owner)
+    assert second.listener.fleet.takeovers == 0
+    sample_tasks.gate("slow").set()
+    done = wait_status(client, key, TaskStatus.DONE)
+    assert done.attempts == 1 and sample_tasks.CALLS[key] == 1
