@@ -99,6 +99,53 @@ def test_listener_killed_with_60s_handlers_is_taken_over_in_seconds(
     assert all(r.attempts == 2 for r in client.store.get_many(keys).values())
 
 
+def test_listener_paused_past_the_heartbeat_window_loses_nothing_when_resumed(
+    client: Client,
+    settings: Settings,
+    start_listener: StartListener,
+    spawn: Spawned,
+    tmp_path: Path,
+    verdict: Verdict,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listener frozen (SIGSTOP) for longer than the takeover window with runs in progress,
+    while more tasks fall due: a peer takes its runs over and runs the new ones; resumed, the
+    frozen listener beats again, its taken-over runs cannot record over the peer's, and no
+    task is lost or run twice beyond the documented window (the runs it held)."""
+    runs = tmp_path / "runs.txt"
+    monkeypatch.setenv(sample_tasks.RUNS_FILE_ENV, str(runs))  # the peer logs its runs too
+    proc, log = spawn.listen(settings, **{sample_tasks.RUNS_FILE_ENV: str(runs)})
+    held = [client.create("Probe.stall", f"held{i}", ttl_ms=50) for i in range(3)]
+    for key in held:
+        sample_tasks.gate(key.rsplit("@", 1)[1]).set()  # here they return at once
+        wait_status(client, key, TaskStatus.RUNNING, timeout_s=20)
+    peer = start_listener(settings)
+    frozen = next(r.id for r in client.store.listeners() if r.id != peer.listener.owner)
+    signal_group(proc, signal.SIGSTOP)
+    paused_ms = client.clock.now_ms()
+    fresh = client.create_many(
+        TaskRequest("Probe.logged", (f"fresh{i}",), ttl_ms=200 + 20 * i) for i in range(50)
+    )
+    for key in held:
+        wait_status(client, key, TaskStatus.DONE, timeout_s=20)
+    assert peer.listener.fleet.takeovers == 1
+    signal_group(proc, signal.SIGCONT)
+    wait_until(
+        lambda: frozen in [r.id for r in client.store.listeners()],
+        10,
+        message="the resumed listener never beat again",
+    )
+    for key in fresh:
+        wait_status(client, key, TaskStatus.DONE, timeout_s=20)
+    logged = sample_tasks.runs_in(runs)
+    assert all(logged[k] == 1 for k in fresh), {k: logged[k] for k in fresh if logged[k] != 1}
+    rows = client.store.get_many(held)
+    assert all(r.status is TaskStatus.DONE and r.attempts == 2 for r in rows.values()), rows
+    calls = {**{k: logged[k] for k in fresh}, **{k: r.attempts for k, r in rows.items()}}
+    verdict.check(client, held + fresh, fault_at_ms=paused_ms, at_least_once=True, calls=calls)
+    assert proc.poll() is None, log.read_text()[-3000:]
+
+
 def test_database_down_during_create_is_a_clear_error_and_leaves_no_key(
     mariadb_factory: MariaDBFactory, redis_url: str, tmp_path: Path
 ) -> None:
@@ -332,6 +379,66 @@ def test_three_listeners_share_a_load_without_double_runs(
     verdict.check(client, keys, timeout_s=120)
     # Stats count after the ledger write, so wait for them rather than read them at once.
     wait_until(lambda: sum(r.listener.dispatcher.stats.done for r in listeners) == 10_000, 10)
+
+
+def test_one_of_three_listeners_killed_under_load(
+    client: Client,
+    settings: Settings,
+    start_listener: StartListener,
+    spawn: Spawned,
+    tmp_path: Path,
+    verdict: Verdict,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kill -9 of one of three listeners while 6,000 tasks fall due over 3 s: the other two
+    take over its runs (heartbeat) and its share of the events (every listener hears every
+    event); only the runs it had started may run twice."""
+    runs = tmp_path / "runs.txt"
+    monkeypatch.setenv(sample_tasks.RUNS_FILE_ENV, str(runs))
+    victim, _ = spawn.listen(settings, **{sample_tasks.RUNS_FILE_ENV: str(runs)})
+    spawn.listen(settings, **{sample_tasks.RUNS_FILE_ENV: str(runs)})
+    start_listener(settings)
+    keys = client.create_many(
+        TaskRequest("Probe.logged", (f"load{i}",), ttl_ms=500 + i // 2) for i in range(6000)
+    )
+    wait_until(lambda: sum(sample_tasks.runs_in(runs).values()) > 1500, 20)
+    kill_ms = client.clock.now_ms()
+    signal_group(victim, signal.SIGKILL)
+    calls = RunsFile(runs)
+    row = verdict.check(
+        client, keys, fault_at_ms=kill_ms, at_least_once=True, calls=calls, timeout_s=60
+    )
+    assert row.recover_s <= 15, row
+    # Only what the victim held (running, or finished with its outcome not yet written) runs
+    # again, and then as a second attempt after a takeover: never two claims of one attempt.
+    rows = client.store.get_many(keys)
+    twice = [k for k in keys if calls.get(k, 0) > 1]
+    assert all(rows[k].attempts == calls[k] for k in twice), [rows[k] for k in twice[:3]]
+
+
+def test_a_listener_joining_under_load_shares_it_without_double_runs(
+    client: Client,
+    settings: Settings,
+    start_listener: StartListener,
+    spawn: Spawned,
+    tmp_path: Path,
+    verdict: Verdict,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runs = tmp_path / "runs.txt"
+    monkeypatch.setenv(sample_tasks.RUNS_FILE_ENV, str(runs))
+    first = start_listener(settings)
+    keys = client.create_many(
+        # Due over 8 s: the newcomer (a process that imports, connects and subscribes under
+        # load) joins with most of the work still ahead.
+        TaskRequest("Probe.logged", (f"join{i}",), ttl_ms=300 + i)
+        for i in range(8000)
+    )
+    wait_until(lambda: sum(sample_tasks.runs_in(runs).values()) > 500, 20)
+    spawn.listen(settings, **{sample_tasks.RUNS_FILE_ENV: str(runs)})
+    verdict.check(client, keys, calls=RunsFile(runs), timeout_s=60)
+    owners = {(r.claimed_by or "").rsplit(":", 1)[0] for r in client.store.get_many(keys).values()}
+    assert first.listener.owner in owners and len(owners) == 2, owners
 
 
 STOPPED_TASKS = 100_000
