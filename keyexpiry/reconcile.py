@@ -63,12 +63,12 @@ class Reconciler:
         report = ReconcileReport()
         self._requeue_expired_leases(report, dry_run)
         total = self.store.count_pending()
-        after_id = 0
+        after = (-(2**62), 0)
         while True:
-            page = self.store.pending_page(after_id=after_id, limit=PAGE_ROWS)
+            page = self.store.pending_page(after=after, limit=PAGE_ROWS)
             if not page:
                 break
-            after_id = page[-1].id
+            after = (page[-1].due_at_ms, page[-1].id)
             self._repair_page(page, report, dry_run)
             report.checked += len(page)
             if progress is not None:

@@ -126,13 +126,17 @@ def test_expired_leases_are_found_and_requeued_once(store: Store) -> None:
 
 
 def test_pending_pages_walk_every_row_once(store: Store) -> None:
-    store.upsert_pending([new(f"A@m@{i}") for i in range(25)], NOW)
+    # Due times with ties (a page boundary falls inside one) and out of id order.
+    tasks = [NewTask(f"A@m@{i}", "A", "m", (str(i),), NOW + (25 - i) // 4) for i in range(25)]
+    store.upsert_pending(tasks, NOW)
+    store.claim(["A@m@3"], now_ms=NOW + 100, lease_until_ms=NOW + 200, token="t")  # not pending
     seen: list[str] = []
-    after = 0
-    while page := store.pending_page(after_id=after, limit=10):
+    after = (-(2**62), 0)
+    while page := store.pending_page(after=after, limit=4):
         seen.extend(r.key for r in page)
-        after = page[-1].id
-    assert sorted(seen) == sorted(f"A@m@{i}" for i in range(25))
+        assert [r.due_at_ms for r in page] == sorted(r.due_at_ms for r in page)
+        after = (page[-1].due_at_ms, page[-1].id)
+    assert len(seen) == 24 and sorted(seen) == sorted(f"A@m@{i}" for i in range(25) if i != 3)
     assert len(store.list_tasks(TaskStatus.PENDING, limit=5)) == 5
 
 
