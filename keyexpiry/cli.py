@@ -384,6 +384,59 @@ def listeners(
 
 @app.command()
 @_errors
+def prune(
+    ctx: typer.Context,
+    older_than: str = typer.Option(
+        None,
+        "--older-than",
+        help="Finished longer ago than this (30m, 12h, 7d, 2w); default: the retention settings.",
+    ),
+    status: str = typer.Option(
+        "done,cancelled,dead", "--status", help="Which finished statuses, comma-separated."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Count, delete nothing."),
+) -> None:
+    """Delete finished rows past their retention, in batches of 1,000 (progress bar)."""
+    from keyexpiry import retention
+    from keyexpiry.runtime import Runtime
+    from keyexpiry.store import TaskStatus
+
+    settings = _settings(ctx)
+    try:
+        statuses = [TaskStatus(s.strip()) for s in status.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--status {status!r}: use done, cancelled and/or dead") from None
+    if not statuses or any(s not in retention.FINISHED for s in statuses):
+        raise ConfigError(f"--status {status!r}: only done, cancelled and dead rows are pruned")
+    retain = {
+        TaskStatus.DONE: settings.retain_done_s,
+        TaskStatus.CANCELLED: settings.retain_done_s,
+        TaskStatus.DEAD: settings.retain_dead_s,
+    }
+    if older_than is not None:
+        cutoff = _since(older_than)
+        assert cutoff is not None
+        age_s = max(0.0, (dt.datetime.now(dt.UTC) - cutoff).total_seconds())
+        retain = dict.fromkeys(retain, age_s or 0.001)
+    rt = Runtime.open(settings)
+    try:
+        before = retention.cutoffs(rt.clock.now_ms(), {s: retain[s] for s in statuses})
+        counts = {s: rt.store.count_finished_before(s, b) for s, b in before.items()}
+        if dry_run:
+            report = retention.PruneReport({s.value: n for s, n in counts.items()})
+            typer.echo(f"would delete {report.total} row(s): {report}")
+            return
+        with typer.progressbar(
+            length=sum(counts.values()), label="pruning", file=sys.stderr, show_pos=True
+        ) as bar:
+            report = retention.prune(rt.store, before, progress=bar.update)
+    finally:
+        rt.close()
+    typer.echo(f"deleted {report.total} row(s): {report}")
+
+
+@app.command()
+@_errors
 def show(
     ctx: typer.Context,
     class_name: str = typer.Argument(..., metavar="CLASS"),

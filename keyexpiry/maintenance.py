@@ -9,13 +9,17 @@ from collections.abc import Callable
 import redis
 from loguru import logger
 
+from keyexpiry import retention
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.health import Health
 from keyexpiry.reconcile import Reconciler
+from keyexpiry.rows import TaskStatus
 from keyexpiry.runtime import Runtime
 from keyexpiry.threads import Backoff, ThreadErrors
 
+_PRUNE_BATCHES = 10
+"""At most this many batches of 1,000 rows per prune round (each its own short transaction)."""
 _EXPECTED = (StoreError, redis.RedisError, OSError)
 """Outages: logged in one line and retried. Anything else is a bug: traceback and count."""
 
@@ -43,6 +47,9 @@ class Maintenance:
         self._idle = threading.Event()
         self.schema_ready = False
         self.reconciles_done = 0
+        self.pruned = 0
+        """Finished rows this listener deleted (retention)."""
+        self._last_prune_s = monotonic_s()
 
     def request(self, reason: str) -> None:
         """Run a reconciliation soon (requests made meanwhile are coalesced)."""
@@ -110,9 +117,30 @@ class Maintenance:
             if not self._wanted.is_set():
                 self._idle.set()
 
+    def _prune_if_due(self, now_s: float) -> None:
+        """A few batches of finished rows past their retention, every `prune_every_s`: a
+        backlog is worked off over minutes without holding this thread (or locks) long."""
+        settings = self.rt.settings
+        if now_s - self._last_prune_s < settings.prune_every_s or not self.schema_ready:
+            return
+        self._last_prune_s = now_s
+        before = retention.cutoffs(
+            self.rt.clock.now_ms(),
+            {
+                TaskStatus.DONE: settings.retain_done_s,
+                TaskStatus.CANCELLED: settings.retain_done_s,
+                TaskStatus.DEAD: settings.retain_dead_s,
+            },
+        )
+        report = retention.prune(self.rt.store, before, max_batches=_PRUNE_BATCHES)
+        self.pruned += report.total
+        if report.total:
+            logger.info("retention: deleted {} finished row(s)", report)
+
     def _check(self) -> None:
         try:
             self._self_check(monotonic_s())
+            self._prune_if_due(monotonic_s())
         except redis.ReadOnlyError as exc:
             self._health.read_only(exc)
         except Exception as exc:

@@ -80,6 +80,12 @@ class Settings:
     """How often a listener writes its heartbeat to the ledger."""
     takeover_after_s: float = 5.0
     """A listener silent this long is dead: a live one requeues its running tasks."""
+    retain_done_s: float = 7 * 86400.0
+    """Done and cancelled rows are deleted this long after they finished (0: kept forever)."""
+    retain_dead_s: float = 90 * 86400.0
+    """Dead rows are deleted this long after they died (0: kept forever)."""
+    prune_every_s: float = 60.0
+    """How often a listener prunes (a few batches of 1,000 rows each time)."""
     driver: bool = True
     driver_window_s: float = 60.0
     driver_max_rows: int = 50_000
@@ -180,6 +186,9 @@ _RANGES: dict[str, tuple[float, float]] = {
     "stuck_after_s": (0, limits.DAY_S),
     "heartbeat_s": (0, 60),
     "takeover_after_s": (0, limits.DAY_S),
+    "retain_done_s": (0, limits.MAX_HORIZON_S),
+    "retain_dead_s": (0, limits.MAX_HORIZON_S),
+    "prune_every_s": (0, limits.DAY_S),
     "driver_window_s": (0, limits.DAY_S),
     "driver_max_rows": (100, 10_000_000),
     "wake_ahead_s": (0, 7 * limits.DAY_S),
@@ -188,7 +197,7 @@ _RANGES: dict[str, tuple[float, float]] = {
 _WHOLE = ("concurrency", "sentinel_count", "claim_batch", "driver_max_rows")
 _ABOVE_ZERO = (
     "handler_timeout_s", "sentinel_interval_s", "reconnect_initial_s", "reconnect_max_s",
-    "canary_interval_s", "lease_check_s", "driver_window_s", "heartbeat_s",
+    "canary_interval_s", "lease_check_s", "driver_window_s", "heartbeat_s", "prune_every_s",
 )  # fmt: skip
 """Settings that must be strictly positive (a zero would spin or time out at once)."""
 

@@ -19,6 +19,7 @@ from keyexpiry.errors import StoreError
 from keyexpiry.heartbeats import HeartbeatQueries
 from keyexpiry.ledger import retried_once
 from keyexpiry.lookups import LookupQueries
+from keyexpiry.retention import RetentionQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.scans import ScanQueries
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 
-class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries):
+class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, RetentionQueries):
     """Queries on `time_limit_task`; every method raises StoreError, never a driver exception.
 
     Business code's queries (create, cancel, read) and the schema are here; the listener's are in

@@ -80,6 +80,7 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
         "runs_of a listener that ran 2 M tasks": lambda: store.runs_of("gone:1:abc"),
         "cancel": lambda: store.cancel(["Probe@record@50"], NOW),
         "list --status": lambda: store.list_tasks(TaskStatus.PENDING, 50),
+        "prune batch": lambda: store.delete_finished_before(TaskStatus.DONE, NOW - 1000, 1000),
         # the dashboard and /metrics
         "active_counts": store.active_counts,
         "pending_due_before": lambda: store.pending_due_before([NOW, NOW + 60_000]),
@@ -95,8 +96,10 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
     # would sort every pending row for each page of 1,000.
     unsorted = {
         "upcoming", "overdue", "pending_page", "list --status", "overdue_rows", "running",
-        "dead newest", "retrying",
+        "dead newest", "retrying", "prune batch",
     }  # fmt: skip
+    # Retention walks finished rows on purpose, 1,000 at a time (LIMIT), in index order.
+    finished_on_purpose = {"prune batch"}
     problems: list[str] = []
     raw = store.engine.raw_connection()
     try:
@@ -112,7 +115,10 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
                     row = dict(zip(columns, plan, strict=True))
                     if row["type"] == "ALL" or row["key"] is None:
                         problems.append(f"{name}: {row}")
-                    elif int(str(row["rows"] or 0).split()[0]) > 10_000:
+                    elif (
+                        int(str(row["rows"] or 0).split()[0]) > 10_000
+                        and name not in finished_on_purpose
+                    ):
                         problems.append(f"{name}: walks {row['rows']} rows: {row}")
                     elif name in unsorted and "filesort" in str(row["Extra"]):
                         problems.append(f"{name}: sorts instead of reading the index: {row}")
