@@ -186,8 +186,9 @@ def render(rows: Sequence[Row]) -> str:
         "Produced by `make reliability` (runs `tests/faults/` against real redis-server and",
         "MariaDB/SQLite and writes this file); every row is one scenario's ledger and handler",
         "counts. *Recover* is the time from the later of the fault's end and the last due time",
-        "to the last task finished. *Cancelled*: tasks whose cancel returned True, none of",
-        "which ran. See docs/GUARANTEES.md for what is promised.",
+        "to the last task finished; for a listener killed or paused, from the kill or pause.",
+        "*Cancelled*: tasks whose cancel returned True, none of which ran. See",
+        "docs/GUARANTEES.md for what is promised.",
         "",
         "| scenario | ledger | tasks | run once | run twice | lost | cancelled | recover (s) "
         "| promise |",
