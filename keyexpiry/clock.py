@@ -68,6 +68,13 @@ class RedisClock:
             mono = time.monotonic()
         return int(self._base_ms + (mono - self._base_mono_s) * 1000.0)
 
+    def extrapolated_ms(self) -> int:
+        """`now_ms` without the periodic resync: never waits on Redis once synced (for the
+        heartbeat, which must not stall behind an unreachable Redis)."""
+        if self._base_mono_s < 0:
+            return self.now_ms()
+        return int(self._base_ms + (time.monotonic() - self._base_mono_s) * 1000.0)
+
     def offset_ms(self) -> float:
         """How far Redis's clock is ahead of this host's wall clock (negative: behind)."""
         self.sync()

@@ -1,7 +1,11 @@
 """Listeners know each other by heartbeats: each writes its row every `heartbeat_s`; one silent
 for `takeover_after_s` is dead, and whichever live listener notices first requeues its running
 tasks. A killed listener's work then waits seconds, not its handlers' timeout plus the lease
-grace; a slow listener keeps beating (its own thread), so its runs are never taken."""
+grace; a slow listener keeps beating (its own thread), so its runs are never taken.
+
+Only a listener that has itself beaten without a gap for a whole takeover window judges others:
+after a database outage (or this process being frozen) every heartbeat is old, and the first
+listener back must not take over peers that are alive but have not had their turn to beat."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from collections.abc import Callable
 import redis
 from loguru import logger
 
+from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.heartbeats import ListenerRow
 from keyexpiry.reconcile import Reconciler
@@ -30,12 +35,16 @@ class Fleet:
         self.failing = False
         """True while heartbeats cannot be written (peers will take this listener's runs)."""
         self.beats = 0
+        self.failed_beats = 0
+        self._steady_since_s: float | None = None
+        """Monotonic time since which this listener's beats have come without a gap."""
+        self._last_beat_s = -1e18
         self.takeovers = 0
         """Silent listeners whose runs this one requeued."""
 
     def beat(self) -> None:
         """Write the heartbeat, then take over any peer silent for too long."""
-        now_ms = self.rt.clock.now_ms()
+        now_ms = self.rt.clock.extrapolated_ms()
         if self._started_ms is None:
             self._started_ms = now_ms
         row = ListenerRow(
@@ -44,7 +53,14 @@ class Fleet:
         )  # fmt: skip
         self.rt.store.beat(row)
         self.beats += 1
-        silent_before = now_ms - int(self.rt.settings.takeover_after_s * 1000)
+        settings = self.rt.settings
+        beat_s = monotonic_s()
+        if self._steady_since_s is None or beat_s - self._last_beat_s > 2 * settings.heartbeat_s:
+            self._steady_since_s = beat_s  # a gap (outage, freeze): start a new streak
+        self._last_beat_s = beat_s
+        if beat_s - self._steady_since_s < settings.takeover_after_s:
+            return
+        silent_before = now_ms - int(settings.takeover_after_s * 1000)
         for peer in self.rt.store.silent(silent_before):
             if peer != self.rt.owner:
                 self._take_over(peer, silent_before)
@@ -72,6 +88,8 @@ class Fleet:
                     logger.info("heartbeats are written again")
                 self.failing = False
             except (StoreError, redis.RedisError, OSError) as exc:
+                self._steady_since_s = None
+                self.failed_beats += 1
                 if not self.failing:
                     logger.warning("cannot write this listener's heartbeat: {}", exc)
                 self.failing = True

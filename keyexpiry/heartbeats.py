@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 
-from keyexpiry.ledger import Ledger, retried_once
+from keyexpiry.ledger import Ledger, like_prefix, retried_once
 from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.table import L, T
@@ -22,10 +22,6 @@ class ListenerRow:
     started_at_ms: int
     heartbeat_at_ms: int
     running: int
-
-
-def _like_prefix(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + ":%"
 
 
 class HeartbeatQueries(Ledger):
@@ -67,8 +63,8 @@ class HeartbeatQueries(Ledger):
     def count_live(self, since_ms: int) -> int:
         """Listeners whose last heartbeat is at or after `since_ms`."""
         with self._tx() as conn:
-            rows = conn.execute(select(L.c.id).where(L.c.heartbeat_at_ms >= since_ms)).all()
-        return len(rows)
+            q = select(func.count()).where(L.c.heartbeat_at_ms >= since_ms)
+            return int(conn.execute(q).scalar_one())
 
     @retried_once
     def silent(self, before_ms: int) -> list[str]:
@@ -93,7 +89,7 @@ class HeartbeatQueries(Ledger):
             rows = conn.execute(
                 select(T)
                 .where(
-                    T.c.claimed_by.like(_like_prefix(listener_id), escape="\\"),
+                    T.c.claimed_by.like(like_prefix(f"{listener_id}:"), escape="\\"),
                     T.c.status == TaskStatus.RUNNING.value,
                 )
                 .limit(limit)

@@ -79,3 +79,9 @@ class Ledger:
             error.disconnected = bool(getattr(exc, "connection_invalidated", False))
             error.lock_timeout = _error_code(exc) == _MYSQL_LOCK_WAIT_TIMEOUT
             raise error from exc
+
+
+def like_prefix(text: str) -> str:
+    """A LIKE pattern (with `escape="\\"`) matching strings that start with `text`, its own
+    `%` and `_` taken literally: a prefix range of an index, never a wildcard from a user."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"

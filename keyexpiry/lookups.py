@@ -5,16 +5,10 @@ from __future__ import annotations
 
 from sqlalchemy import select, update
 
-from keyexpiry.ledger import Ledger, retried_once
+from keyexpiry.ledger import Ledger, like_prefix, retried_once
 from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.table import T
-
-
-def _like_prefix(text: str) -> str:
-    """A LIKE pattern matching keys that start with `text` (its wildcards taken literally)."""
-    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return escaped + "%"
 
 
 class LookupQueries(Ledger):
@@ -62,7 +56,7 @@ class LookupQueries(Ledger):
     ) -> list[TaskRow]:
         """Rows whose key starts with `key_prefix` (a range of the unique key index: a class is
         `Class@`, a method `Class@method@`), by key."""
-        q = select(T).where(T.c.task_key.like(_like_prefix(key_prefix), escape="\\"))
+        q = select(T).where(T.c.task_key.like(like_prefix(key_prefix), escape="\\"))
         if status is not None:
             q = q.where(T.c.status == status.value)
         with self._tx() as conn:

@@ -247,9 +247,11 @@ class LedgerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         figures = self.figures()
-        up = GaugeMetricFamily("keyexpiry_ledger_up", "1 when the ledger answered the last read.")
-        up.add_metric([], 1.0 if figures is not None else 0.0)
-        yield up
+        yield _gauge(
+            "keyexpiry_ledger_up",
+            "1 when the ledger answered the last read.",
+            figures is not None,
+        )
         if figures is None:
             return
         tasks = GaugeMetricFamily(
@@ -266,21 +268,33 @@ class LedgerCollector(Collector):
         for window, n in figures.pending_by_window.items():
             pending.add_metric([window], n)
         yield pending
-        overdue = GaugeMetricFamily(
-            "keyexpiry_overdue", "Pending tasks more than a second past their due time."
+        yield _gauge(
+            "keyexpiry_overdue",
+            "Pending tasks more than a second past their due time.",
+            figures.overdue,
         )
-        overdue.add_metric([], figures.overdue)
-        yield overdue
-        live = GaugeMetricFamily(
-            "keyexpiry_listeners", "Listeners whose heartbeat is fresh (the whole fleet)."
+        yield _gauge(
+            "keyexpiry_listeners",
+            "Listeners whose heartbeat is fresh (the whole fleet).",
+            figures.live_listeners,
         )
-        live.add_metric([], figures.live_listeners)
-        yield live
-        took = GaugeMetricFamily(
-            "keyexpiry_ledger_query_seconds", "Time the last ledger read for these figures took."
+        yield _gauge(
+            "keyexpiry_ledger_query_seconds",
+            "Time the last ledger read for these figures took.",
+            figures.query_s,
         )
-        took.add_metric([], figures.query_s)
-        yield took
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
 
 
 class ListenerCollector(Collector):
@@ -294,16 +308,6 @@ class ListenerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         lst = self._listener
         stats = lst.dispatcher.stats
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], value)
-            return family
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc)
-            family.add_metric([], value)
-            return family
 
         claims = CounterMetricFamily(
             "keyexpiry_claims",
@@ -331,47 +335,47 @@ class ListenerCollector(Collector):
         ignored.add_metric(["refused"], lst.ignored)
         yield ignored
         rec = lst.reconciler
-        yield counter(
+        yield _counter(
             "keyexpiry_reconcile_rearmed",
             "Task keys re-armed in Redis from the ledger.",
             rec.rearmed_total,
         )
-        yield counter(
+        yield _counter(
             "keyexpiry_reconcile_requeued",
             "Tasks requeued from the ledger: overdue ones run directly, expired leases.",
             rec.requeued_total,
         )
-        yield counter(
+        yield _counter(
             "keyexpiry_reconciliations", "Full reconciliation passes.", lst.reconciles_done
         )
-        yield counter(
+        yield _counter(
             "keyexpiry_reconnects", "Subscriptions dropped or rebuilt since start.", lst.gaps
         )
-        yield counter(
+        yield _counter(
             "keyexpiry_thread_errors",
             "Unexpected exceptions the listener's threads survived.",
             lst.thread_errors.count,
         )
-        yield gauge(
+        yield _gauge(
             "keyexpiry_inflight",
             "Claimed runs not yet finished (queued or running).",
             lst.dispatcher.inflight.count,
         )
-        yield gauge(
+        yield _gauge(
             "keyexpiry_subscribed", "1 while subscribed to expired events.", lst.subscribed.is_set()
         )
-        yield gauge(
+        yield _gauge(
             "keyexpiry_events_arriving",
             "0 while the canary's expired event does not come back.",
             lst.events_arriving,
         )
-        yield gauge("keyexpiry_ready", "1 when /readyz answers 200.", self._ready())
+        yield _gauge("keyexpiry_ready", "1 when /readyz answers 200.", self._ready())
         info = GaugeMetricFamily(
             "keyexpiry_listener_info", "This listener's identity.", labels=["listener", "host"]
         )
         info.add_metric([lst.owner, socket.gethostname()], 1)
         yield info
-        yield gauge(
+        yield _gauge(
             "keyexpiry_listener_start_time_seconds",
             "When this listener started (Unix time).",
             self._started_s,

@@ -150,10 +150,15 @@ class Reconciler:
         """Requeue the running tasks of a listener that stopped beating (heartbeats, not
         leases: a killed listener's runs come back in seconds, whatever their timeout)."""
         report = ReconcileReport()
-        now_ms = self.clock.now_ms()
-        rows = self.store.runs_of(listener_id)
-        self._requeue(rows, report, False, now_ms, "heartbeat lost", lease_expired=False)
-        return report
+        seen: set[int] = set()
+        while True:  # a page at a time: each requeued row leaves the next page's range
+            rows = [r for r in self.store.runs_of(listener_id, limit=PAGE_ROWS) if r.id not in seen]
+            seen.update(r.id for r in rows)
+            self._requeue(
+                rows, report, False, self.clock.now_ms(), "heartbeat lost", lease_expired=False
+            )
+            if len(rows) < PAGE_ROWS:
+                return report
 
     def _requeue(
         self,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import ColumnElement, delete, func, select
 
 from keyexpiry.ledger import Ledger, retried_once
 from keyexpiry.rows import TaskStatus
@@ -23,7 +23,7 @@ class RetentionQueries(Ledger):
     row's due time is never after its finish), deleted by primary key."""
 
     @staticmethod
-    def _older(status: TaskStatus, before_ms: int) -> list[object]:
+    def _older(status: TaskStatus, before_ms: int) -> list[ColumnElement[bool]]:
         return [
             T.c.status == status.value,
             T.c.due_at_ms < before_ms,
@@ -34,7 +34,7 @@ class RetentionQueries(Ledger):
     def count_finished_before(self, status: TaskStatus, before_ms: int) -> int:
         """How many `status` rows finished before `before_ms`."""
         with self._tx() as conn:
-            q = select(func.count()).where(*self._older(status, before_ms))  # type: ignore[arg-type]
+            q = select(func.count()).where(*self._older(status, before_ms))
             return int(conn.execute(q).scalar_one())
 
     @retried_once
@@ -45,7 +45,7 @@ class RetentionQueries(Ledger):
                 r[0]
                 for r in conn.execute(
                     select(T.c.id)
-                    .where(*self._older(status, before_ms))  # type: ignore[arg-type]
+                    .where(*self._older(status, before_ms))
                     .order_by(T.c.due_at_ms)
                     .limit(limit)
                 )

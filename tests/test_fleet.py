@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -15,7 +16,8 @@ from keyexpiry.clock import monotonic_s
 from keyexpiry.heartbeats import ListenerRow
 from keyexpiry.store import TaskStatus
 from tests import sample_tasks
-from tests.ke import Running, wait_status
+from tests.conftest import MariaDBFactory
+from tests.ke import Running, make_settings, wait_status
 
 StartListener = Callable[[Settings], Running]
 # Ten beats per takeover window: a heartbeat delayed by a loaded CI machine is not a death.
@@ -79,8 +81,9 @@ def test_a_slow_listener_that_beats_keeps_its_runs(
     wait_status(client, key, TaskStatus.RUNNING)
     second = start_listener(quick)
     wait_until(lambda: len(client.store.listeners()) == 2, 5)
-    deadline = monotonic_s() + 3 * quick.takeover_after_s
-    wait_until(lambda: monotonic_s() > deadline, 10, interval_s=0.05)
+    # The watcher has judged its peer on every beat of three takeover windows.
+    beats = second.listener.fleet.beats + int(3 * quick.takeover_after_s / quick.heartbeat_s)
+    wait_until(lambda: second.listener.fleet.beats >= beats, 15, interval_s=0.05)
     row = client.store.get(key)
     assert row is not None and row.status is TaskStatus.RUNNING and row.attempts == 1
     assert row.claimed_by is not None and row.claimed_by.startswith(first.listener.owner)
@@ -88,3 +91,38 @@ def test_a_slow_listener_that_beats_keeps_its_runs(
     sample_tasks.gate("slow").set()
     done = wait_status(client, key, TaskStatus.DONE)
     assert done.attempts == 1 and sample_tasks.CALLS[key] == 1
+
+
+def test_a_database_outage_does_not_make_live_listeners_take_each_other_over(
+    mariadb_factory: MariaDBFactory, redis_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    """While the ledger is down nobody can beat; when it is back every heartbeat is old. A
+    listener must first beat a whole window itself before judging others, or the first one
+    back would requeue the runs of peers that are alive (and run them twice)."""
+    db = mariadb_factory()
+    cfg = make_settings(redis_url, db.create_database("outage"), tmp_path, **QUICK)
+    sample_tasks.reset()
+    with Client(cfg) as c:
+        first = start_listener(cfg)
+        sample_tasks.gate("through-outage").clear()
+        key = c.create(sample_tasks.Probe.stall, "through-outage", ttl_ms=10)
+        wait_status(c, key, TaskStatus.RUNNING)
+        watchers = [start_listener(cfg) for _ in range(2)]
+        wait_until(lambda: len(c.store.listeners()) == 3, 10)
+        db.stop()
+        # Down for two takeover windows, so every row is older than one when it is back.
+        failed = int(2 * QUICK["takeover_after_s"] / QUICK["heartbeat_s"])
+        wait_until(lambda: all(r.listener.fleet.failed_beats >= failed for r in watchers), 20)
+        db.start()
+        # Every listener back to beating, then three takeover windows of judging each other.
+        for running in [first, *watchers]:
+            beats = running.listener.fleet.beats + int(
+                3 * QUICK["takeover_after_s"] / QUICK["heartbeat_s"]
+            )
+            wait_until(lambda r=running, b=beats: r.listener.fleet.beats >= b, 20)
+        assert sum(r.listener.fleet.takeovers for r in watchers) == 0
+        row = c.store.get(key)
+        assert row is not None and row.status is TaskStatus.RUNNING and row.attempts == 1
+        sample_tasks.gate("through-outage").set()
+        done = wait_status(c, key, TaskStatus.DONE)
+        assert done.attempts == 1 and sample_tasks.CALLS[key] == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ class Dashboard:
     def __init__(self, make_client: Callable[[], Client], csrf: Csrf) -> None:
         self._make_client = make_client
         self._client: Client | None = None
+        self._client_lock = threading.Lock()
         self.csrf = csrf
         self.env = Environment(
             loader=FileSystemLoader(_HERE / "templates"),
@@ -87,9 +89,11 @@ class Dashboard:
 
     @property
     def client(self) -> Client:
-        if self._client is None:
-            self._client = self._make_client()
-        return self._client
+        # Pages run on a thread pool: the first requests may arrive together.
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
 
     def close(self) -> None:
         if self._client is not None:

@@ -19,8 +19,9 @@ REALM = "keyexpiry"
 
 
 def is_loopback(host: str | None) -> bool:
-    """Whether a peer address is this machine (a unix socket or test client counts)."""
-    if host is None or host in ("testclient", "localhost"):
+    """Whether a peer address (or a bind address) is this machine; no address is a unix
+    socket, which is local too."""
+    if host is None or host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
