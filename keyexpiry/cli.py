@@ -355,7 +355,9 @@ def listeners(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
-    """The listeners sharing this ledger: id, host, started, last heartbeat, running tasks."""
+    """The listeners sharing this ledger: id, host, started, last heartbeat, running tasks and
+    their share of the task keys."""
+    from keyexpiry.partition import shares
     from keyexpiry.runtime import Runtime
 
     settings = _settings(ctx)
@@ -368,17 +370,29 @@ def listeners(
     silent_ms = int(settings.takeover_after_s * 1000)
     if not rows and not as_json:
         typer.echo("no listener is running")
+    live = {
+        r.id: r.classes
+        for r in rows
+        if now_ms - r.heartbeat_at_ms <= silent_ms and r.stopping_at_ms is None
+    }
+    share = shares(live)
     for row in rows:
         age_ms = now_ms - row.heartbeat_at_ms
-        state = "silent" if age_ms > silent_ms else "live"
+        state = "silent" if age_ms > silent_ms else "stopping" if row.stopping_at_ms else "live"
         if as_json:
-            data = dataclasses.asdict(row) | {"heartbeat_age_ms": age_ms, "state": state}
+            data = dataclasses.asdict(row) | {
+                "classes": None if row.classes is None else sorted(row.classes),
+                "heartbeat_age_ms": age_ms,
+                "state": state,
+                "share": share.get(row.id, 0.0),
+            }
             typer.echo(json.dumps(data))
         else:
             started = _local_time(row.started_at_ms, zone=False)
             typer.echo(
-                f"{state:<6} {row.id:<40} {row.host:<20} started {started}  "
-                f"heartbeat {age_ms / 1000:.1f} s ago  running {row.running}"
+                f"{state:<8} {row.id:<40} {row.host:<20} started {started}  "
+                f"heartbeat {age_ms / 1000:.1f} s ago  running {row.running}  "
+                f"share {share.get(row.id, 0.0):.0%}"
             )
 
 
@@ -567,7 +581,9 @@ def demo(ctx: typer.Context) -> None:
 @_errors
 def bench(
     scenario: list[str] = typer.Option(
-        None, "--scenario", help="steady, sparse, burst, throughput, create (default: all)."
+        None,
+        "--scenario",
+        help="steady, sparse, burst, throughput, create, listeners (default: all).",
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
     backend: str = typer.Option("mariadb", "--backend", help="mariadb or sqlite."),

@@ -5,7 +5,10 @@ grace; a slow listener keeps beating (its own thread), so its runs are never tak
 
 Only a listener that has itself beaten without a gap for a whole takeover window judges others:
 after a database outage (or this process being frozen) every heartbeat is old, and the first
-listener back must not take over peers that are alive but have not had their turn to beat."""
+listener back must not take over peers that are alive but have not had their turn to beat.
+
+Each beat also reads who is live and recomputes this listener's share of the keys
+(`keyexpiry.partition`); buckets it gains had no listener, so their overdue rows are run now."""
 
 from __future__ import annotations
 
@@ -20,17 +23,35 @@ from loguru import logger
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.heartbeats import ListenerRow
+from keyexpiry.keys import task_class_of
+from keyexpiry.partition import BUCKETS, Partition, bucket_of
 from keyexpiry.reconcile import Reconciler
 from keyexpiry.runtime import Runtime
+
+# More overdue rows than this at a takeover are left to the periodic overdue repair (re-armed).
+_CATCH_UP_ROWS = 10_000
 
 
 class Fleet:
     """This listener's heartbeat and the takeover of silent peers."""
 
-    def __init__(self, rt: Runtime, reconciler: Reconciler, running: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        reconciler: Reconciler,
+        running: Callable[[], int],
+        submit: Callable[[list[str]], None] | None = None,
+    ) -> None:
         self.rt = rt
         self._reconciler = reconciler
         self._running = running
+        self._submit = submit
+        # Buckets given up are kept for two beats: peers read the change within one.
+        self.partition = Partition(
+            rt.owner, rt.registry.class_names(), hold_s=2 * rt.settings.heartbeat_s
+        )
+        self.caught_up = 0
+        """Overdue tasks of gained buckets handed to the claimer (their events had no one)."""
         self._started_ms: int | None = None
         self.failing = False
         """True while heartbeats cannot be written (peers will take this listener's runs)."""
@@ -49,11 +70,13 @@ class Fleet:
             self._started_ms = now_ms
         row = ListenerRow(
             self.rt.owner, socket.gethostname(), os.getpid(), self._started_ms, now_ms,
-            self._running(),
+            self._running(), self.rt.registry.class_names(),
         )  # fmt: skip
+        self.partition.set_classes(row.classes or frozenset())
         self.rt.store.beat(row)
         self.beats += 1
         settings = self.rt.settings
+        self._share(now_ms - int(settings.takeover_after_s * 1000), now_ms)
         beat_s = monotonic_s()
         if self._steady_since_s is None or beat_s - self._last_beat_s > 2 * settings.heartbeat_s:
             self._steady_since_s = beat_s  # a gap (outage, freeze): start a new streak
@@ -64,6 +87,49 @@ class Fleet:
         for peer in self.rt.store.silent(silent_before):
             if peer != self.rt.owner:
                 self._take_over(peer, silent_before)
+
+    def _share(self, live_since_ms: int, now_ms: int) -> None:
+        members = self.rt.store.live_members(live_since_ms)
+        before = self.partition.peers
+        gained = self.partition.update(members, monotonic_s())
+        if self.partition.peers != before:
+            logger.info(
+                "sharing the task keys with {} other listener(s): {} of {} buckets here",
+                self.partition.peers,
+                self.partition.owned_buckets(),
+                len(self.partition.classes) * BUCKETS,
+            )
+        if gained:
+            self._catch_up(gained, now_ms)
+
+    def _catch_up(self, gained: dict[str, set[int]], now_ms: int) -> None:
+        """Run the overdue rows of buckets just gained: while nobody owned them (a peer died,
+        not yet silent long enough), their expired events were heard and dropped by all."""
+        if self._submit is None:
+            return
+        prefix = self.rt.settings.key_prefix.encode()
+        keys = []
+        for key, _due in self.rt.store.overdue(now_ms=now_ms, limit=_CATCH_UP_ROWS):
+            raw = key.encode()
+            buckets = gained.get(task_class_of(raw, prefix) or "")
+            if buckets is not None and bucket_of(raw) in buckets:
+                keys.append(key)
+        if keys:
+            self.caught_up += len(keys)
+            logger.info("{} overdue task(s) of buckets taken over: claiming them", len(keys))
+            self._submit(keys)
+
+    def stopping(self) -> bool:
+        """Begin a graceful stop: mark this listener's row so peers take its keys at their next
+        beat. Return whether any peer shares them (then keep serving for `partition.hold_s`)."""
+        if self.partition.peers == 0:
+            return False
+        try:
+            self.rt.store.mark_stopping(self.rt.owner, self.rt.clock.extrapolated_ms())
+        except (StoreError, redis.RedisError, OSError) as exc:
+            logger.warning("could not hand this listener's keys over before stopping: {}", exc)
+            return False
+        return True
 
     def _take_over(self, peer: str, silent_before_ms: int) -> None:
         report = self._reconciler.requeue_runs_of(peer)

@@ -22,6 +22,18 @@ class ListenerRow:
     started_at_ms: int
     heartbeat_at_ms: int
     running: int
+    classes: frozenset[str] | None = None
+    """The task classes it registers (None: a listener of a keyexpiry without partitioning)."""
+    stopping_at_ms: int | None = None
+    """When it began a graceful stop (its peers then take its share of the keys)."""
+
+
+def _classes_column(classes: frozenset[str] | None) -> str | None:
+    return None if classes is None else ",".join(sorted(classes))
+
+
+def _classes_of(value: object) -> frozenset[str] | None:
+    return None if value is None else frozenset(c for c in str(value).split(",") if c)
 
 
 class HeartbeatQueries(Ledger):
@@ -36,6 +48,7 @@ class HeartbeatQueries(Ledger):
             "host": row.host,
             "pid": row.pid,
             "started_at_ms": row.started_at_ms,
+            "classes": _classes_column(row.classes),
         }
         with self._tx() as conn:
             updated = conn.execute(update(L).where(L.c.id == row.id).values(**values)).rowcount
@@ -55,9 +68,30 @@ class HeartbeatQueries(Ledger):
                 int(r.started_at_ms),
                 int(r.heartbeat_at_ms),
                 int(r.running),
+                _classes_of(r.classes),
+                None if r.stopping_at_ms is None else int(r.stopping_at_ms),
             )
             for r in rows
         ]
+
+    @retried_once
+    def live_members(self, since_ms: int) -> dict[str, frozenset[str] | None]:
+        """Listeners that beat at or after `since_ms` and are not stopping, with their classes
+        (who shares the keys: `keyexpiry.partition`)."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(L.c.id, L.c.classes).where(
+                    L.c.heartbeat_at_ms >= since_ms, L.c.stopping_at_ms.is_(None)
+                )
+            ).all()
+        return {str(r.id): _classes_of(r.classes) for r in rows}
+
+    @retried_once
+    def mark_stopping(self, listener_id: str, at_ms: int) -> None:
+        """Record that a listener began a graceful stop: peers take its keys at their next beat
+        (it keeps beating, so its running tasks stay its own)."""
+        with self._tx() as conn:
+            conn.execute(update(L).where(L.c.id == listener_id).values(stopping_at_ms=at_ms))
 
     @retried_once
     def count_live(self, since_ms: int) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 from loguru import logger
 
+from keyexpiry.clock import monotonic_s
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
 from keyexpiry.endpoints import Endpoints
@@ -53,7 +54,12 @@ class Listener:
         self.dispatcher = Dispatcher(rt)
         self.reconciler = Reconciler(rt, submit=self.dispatcher.submit)
         self.driver = ExpiryDriver(rt)
-        self.fleet = Fleet(rt, self.reconciler, running=lambda: self.dispatcher.inflight.count)
+        self.fleet = Fleet(
+            rt,
+            self.reconciler,
+            running=lambda: self.dispatcher.inflight.count,
+            submit=self.dispatcher.submit,
+        )
         self._fleet_stop = threading.Event()
         # Looked up at call time (lambdas), so a test or a subclass may wrap these methods.
         self.health = Health(
@@ -69,6 +75,7 @@ class Listener:
             submit=self.dispatcher.submit,
             note_due=self.driver.note,
             request_reconcile=lambda reason: self.request_reconcile(reason),
+            owns=self.fleet.partition.owns,
         )
         self.maintenance = Maintenance(
             rt,
@@ -124,6 +131,7 @@ class Listener:
         )
         try:
             self.subscription.serve()
+            self._hand_over()
         finally:
             self.subscribed.clear()
             logger.info(
@@ -142,6 +150,19 @@ class Listener:
             self.rt.close()
             restore()
             logger.info("listener stopped")
+
+    def _hand_over(self) -> None:
+        """A graceful stop with peers: mark this listener stopping, then go on hearing and
+        claiming its share until they have read that and taken it (no gap for its keys)."""
+        if not self.fleet.stopping():
+            return
+        logger.info("handing this listener's share of the keys to its peers")
+        until_s = monotonic_s() + self.fleet.partition.hold_s
+        try:
+            while monotonic_s() < until_s:
+                self.subscription.step(timeout_s=0.1)
+        except Exception as exc:  # the stop goes on; a missed event is the catch-up's
+            logger.warning("stopped handing over early: {}", exc)
 
     def serve_http(self) -> Endpoints:
         """Start serving /metrics, /healthz and /readyz on `settings.http` (see `endpoints`)."""

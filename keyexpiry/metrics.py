@@ -61,6 +61,9 @@ NAMES = (
     "keyexpiry_pending",
     "keyexpiry_overdue",
     "keyexpiry_listeners",
+    "keyexpiry_share_buckets",
+    "keyexpiry_share_peers",
+    "keyexpiry_share_caught_up_total",
     "keyexpiry_ledger_up",
     "keyexpiry_ledger_query_seconds",
 )
@@ -328,12 +331,31 @@ class ListenerCollector(Collector):
         ignored = CounterMetricFamily(
             "keyexpiry_events_ignored",
             "Events not acted on: foreign (another application's key), refused (looked like a "
-            "task but is not a runnable one).",
+            "task but is not a runnable one), other_listener (a task key in a live peer's "
+            "share).",
             labels=["reason"],
         )
         ignored.add_metric(["foreign"], lst.foreign)
         ignored.add_metric(["refused"], lst.ignored)
+        ignored.add_metric(["other_listener"], lst.router.others_share)
         yield ignored
+        share = lst.fleet.partition
+        yield _gauge(
+            "keyexpiry_share_buckets",
+            "Key buckets this listener claims, summed over its task classes (1024 per class "
+            "when it shares with no one).",
+            share.owned_buckets(),
+        )
+        yield _gauge(
+            "keyexpiry_share_peers",
+            "Other live listeners sharing task classes with this one.",
+            share.peers,
+        )
+        yield _counter(
+            "keyexpiry_share_caught_up",
+            "Overdue tasks claimed from the ledger after taking over buckets nobody owned.",
+            lst.fleet.caught_up,
+        )
         rec = lst.reconciler
         yield _counter(
             "keyexpiry_reconcile_rearmed",

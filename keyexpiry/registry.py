@@ -328,6 +328,10 @@ class Registry:
         """Whether a task class is registered under `class_name`."""
         return class_name in self._classes
 
+    def class_names(self) -> frozenset[str]:
+        """The names of the registered task classes."""
+        return frozenset(self._classes)
+
     def specs(self) -> list[TaskSpec]:
         """Every registered (class, method), sorted by name."""
         return [self._specs[k] for k in sorted(self._specs)]

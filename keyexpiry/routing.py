@@ -57,6 +57,8 @@ class Verdict(NamedTuple):
     route: Route
     key: str = ""
     reason: str = ""
+    class_name: str | None = None
+    """The class a task key names (None when it does not parse as one)."""
 
 
 _FOREIGN = Verdict(Route.FOREIGN)
@@ -117,7 +119,7 @@ class KeyShapes:
         if not ours and not _well_formed(key):
             return _FOREIGN
         # Parsed (and refused if malformed) once, by the claimer: not here as well.
-        return Verdict(_TASK, key)
+        return Verdict(_TASK, key, "", class_name)
 
     def evicted(self, data: bytes) -> Verdict:
         """What an evicted key is: only a well-formed task key under the prefix is a task; the
@@ -130,10 +132,10 @@ class KeyShapes:
             return _INTERNAL
         try:
             key = data.decode("utf-8")
-            parse_key(key, prefix=self.prefix.decode())
+            parsed = parse_key(key, prefix=self.prefix.decode())
         except (UnicodeDecodeError, KeyFormatError):
             return _FOREIGN
-        return Verdict(_TASK, key)
+        return Verdict(_TASK, key, "", parsed.class_name)
 
 
 def as_bytes(raw: bytes | str) -> bytes:
@@ -164,8 +166,10 @@ class Router:
         submit: Callable[[Iterable[str]], None],
         note_due: Callable[[Iterable[tuple[str, int]]], None],
         request_reconcile: Callable[[str], None],
+        owns: Callable[[str | None, bytes], bool] | None = None,
     ) -> None:
         self._health = health
+        self._owns = owns or (lambda _class, _key: True)
         self._submit = submit
         self._note_due = note_due
         self._request_reconcile = request_reconcile
@@ -182,6 +186,8 @@ class Router:
         """Task keys Redis evicted (maxmemory) that were handed back to the ledger."""
         self.wakes_refused = 0
         """Wake messages too long to be keyexpiry's, dropped undecoded."""
+        self.others_share = 0
+        """Task keys heard that belong to another live listener's share (`partition`)."""
 
     def handle_key(self, raw: bytes | str) -> None:
         """Route one expired key (see `KeyShapes.expired`): task key → claimer, canary →
@@ -191,7 +197,10 @@ class Router:
         verdict = self.shapes.expired(data)
         route = verdict.route
         if route is _TASK:
-            self._submit([verdict.key])
+            if self._owns(verdict.class_name, data):
+                self._submit([verdict.key])
+            else:
+                self.others_share += 1
         elif route is Route.FOREIGN:
             self.foreign += 1
         elif route is Route.REFUSED:
@@ -214,6 +223,9 @@ class Router:
         if verdict.route is not Route.TASK:
             # Another listener's canary, a sentinel (the self-checks notice those), or the
             # application's own keys: not ours, not worth a line.
+            return
+        if not self._owns(verdict.class_name, as_bytes(raw)):
+            self.others_share += 1
             return
         self.evicted += 1
         # Under noeviction Redis evicts nothing: such a message was published by someone else.

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from loguru import logger
 from sqlalchemy import and_, func, inspect, or_, select, update
 
 from keyexpiry.claims import ClaimQueries
@@ -19,6 +20,7 @@ from keyexpiry.errors import StoreError
 from keyexpiry.heartbeats import HeartbeatQueries
 from keyexpiry.ledger import retried_once
 from keyexpiry.lookups import LookupQueries
+from keyexpiry.migrations import add_missing_columns
 from keyexpiry.retention import RetentionQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
@@ -49,16 +51,24 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
     # --- schema -------------------------------------------------------------------------------
     @retried_once
     def create_schema(self) -> None:
-        """Create the table and indexes if they do not exist."""
+        """Create the tables and indexes if they do not exist; add columns a table from an older
+        keyexpiry lacks (`keyexpiry.migrations`). Idempotent; rows are never rewritten."""
         for attempt in range(5):
             try:
                 with self._schema_lock, self._tx() as conn:
                     metadata.create_all(conn, checkfirst=True)
+                with self._schema_lock, self._tx() as conn:
+                    for name in add_missing_columns(conn):
+                        logger.info("ledger upgraded: added column {}", name)
                 return
             except StoreError as exc:
                 # Two processes starting on a new SQLite file race to create it (or to switch
                 # it to WAL): whoever lost finds the table there, or tries again.
-                racing = "already exists" in str(exc) or "database is locked" in str(exc)
+                # Or both add the same new column: the loser's next attempt finds it there.
+                racing = any(
+                    sign in str(exc).lower()
+                    for sign in ("already exists", "database is locked", "duplicate column")
+                )
                 if not racing or attempt == 4:
                     raise
                 if "already exists" in str(exc) and self.table_exists():

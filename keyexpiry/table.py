@@ -77,6 +77,11 @@ keyexpiry_listener = Table(
     Column("started_at_ms", BigInteger, nullable=False),
     Column("heartbeat_at_ms", BigInteger, nullable=False),
     Column("running", Integer, nullable=False),
+    # Added after the table: keyexpiry.migrations adds them to an existing one.
+    # When it began a graceful stop: peers take its share of the keys, not its runs.
+    Column("stopping_at_ms", BigInteger, nullable=True),
+    # Its registered task classes, comma-separated: who may be given a class's keys.
+    Column("classes", Text, nullable=True),
     Index("ix_keyexpiry_listener_heartbeat", "heartbeat_at_ms"),
     mysql_engine="InnoDB",
     mysql_charset="utf8mb4",

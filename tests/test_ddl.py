@@ -53,7 +53,7 @@ def test_sql_file_and_model_create_the_same_table(
         assert len(from_sql[0]) == 16 and len(from_sql[1]) >= 3 and from_sql[2]
         assert from_sql == _describe(other)
         listeners = _describe(mysql_url, "keyexpiry_listener")
-        assert len(listeners[0]) == 6 and listeners[1]
+        assert len(listeners[0]) == 8 and listeners[1]
         assert listeners == _describe(other, "keyexpiry_listener")
     finally:
         mariadb_server.drop_database(other.rsplit("/", 1)[1])

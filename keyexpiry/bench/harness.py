@@ -25,6 +25,7 @@ from sqlalchemy import delete, func, select, text
 
 import keyexpiry.bench.tasks  # noqa: F401 - registers Bench.noop
 from keyexpiry import Client, Settings
+from keyexpiry.bench.cpuquota import CpuQuota
 from keyexpiry.bench.servers import MariaDBServer, RedisServer, find_binary
 from keyexpiry.embedded import redis_binary
 from keyexpiry.errors import ConfigError, EmbeddedServerError
@@ -230,12 +231,30 @@ class ListenerProcess(MeasuredProcess):
     db_url: str = ""
     driver: bool = True
     concurrency: int = 8
+    cpu_cores: float | None = None
+    """A CPU quota (cores) for this listener alone (`cpuquota`); None: unlimited."""
+    _quota: CpuQuota | None = field(default=None, init=False)
     starts_path: Path = field(
         default_factory=lambda: Path(tempfile.mkstemp(prefix="ke-starts-", suffix=".txt")[1])
     )
 
+    def __enter__(self) -> Self:
+        super().__enter__()
+        if self.cpu_cores is not None:
+            self._quota = CpuQuota(self.cpu_cores)
+            self._quota.add(self._ps.pid)
+            for child in self._ps.children(recursive=True):  # under py-spy
+                self._quota.add(child.pid)
+        return self
+
+    def throttled_s(self) -> float:
+        """Seconds the CPU quota held this listener back (0 without a quota)."""
+        return self._quota.throttled_s() if self._quota is not None else 0.0
+
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        if self._quota is not None:
+            self._quota.remove()
         self.starts_path.unlink(missing_ok=True)
 
     def argv(self) -> list[str]:

@@ -9,11 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keyexpiry.bench import listeners as listeners_bench
 from keyexpiry.bench import peers as peer_bench
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
-SCENARIOS = ("steady", "sparse", "burst", "throughput", "create")
+SCENARIOS = ("steady", "sparse", "burst", "throughput", "create", "listeners")
 
 
 def _runs(label: str, runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -83,7 +84,11 @@ def run(
         for name in names:
             print(f"{name}:", flush=True)
             res: dict[str, Any] = {}
-            if name == "create":
+            if name == "listeners":
+                res = listeners_bench.run(
+                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+                )
+            elif name == "create":
                 res["default"] = _runs(
                     "create",
                     runs,
@@ -154,6 +159,8 @@ COLUMNS = (
     "tasks_per_s",
     "listener_cpu_s",
     "listener_rss_mb",
+    "rate_vs_one",
+    "cpu_vs_one",
     "single_per_s",
     "bulk_per_s",
     "redis_bytes_per_task",

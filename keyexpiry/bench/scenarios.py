@@ -58,10 +58,13 @@ def due_wave(
     lead_s: float = 3.0,
     concurrency: int = 8,
     listeners: int = 1,
+    cpu_cores: float | None = None,
 ) -> dict[str, Any]:
     """`n` tasks due over `span_s` seconds; lateness, rate, listener CPU/RSS, fired by the cap.
 
-    With several `listeners` the CPU is their sum, the RSS the largest, the lateness of all.
+    With several `listeners` the CPU is their sum, the RSS the largest, the lateness of all;
+    they share the keys (`keyexpiry.partition`) before the wave is created. `cpu_cores` gives
+    each listener a CPU quota of its own.
     """
     redis_url, db_url = urls
     with contextlib.ExitStack() as stack:
@@ -69,13 +72,19 @@ def due_wave(
         procs = [
             stack.enter_context(
                 ListenerProcess(
-                    redis_url=redis_url, db_url=db_url, driver=driver, concurrency=concurrency
+                    redis_url=redis_url,
+                    db_url=db_url,
+                    driver=driver,
+                    concurrency=concurrency,
+                    cpu_cores=cpu_cores,
                 )
             )
             for _ in range(listeners)
         ]
         for proc in procs:
             proc.wait_subscribed(client.redis, listeners=len(procs))
+        if listeners > 1:
+            _wait_sharing(client, listeners)
         first_due = client.clock.now_ms() + int(lead_s * 1000)
         create_s = _create_wave(client, n, first_due, int(span_s * 1000))
         # Above 0 the wave was still being created when it fell due: raise lead_s.
@@ -94,9 +103,21 @@ def due_wave(
             listener_rss_mb=round(max(p.rss_max_mb for p in procs), 1),
             listeners=listeners,
             max_attempts=_max_attempts(client),
+            throttled_s=round(sum(p.throttled_s() for p in procs), 2),
         )
         purge(client, NOOP)
     return figures
+
+
+def _wait_sharing(client: Client, listeners: int, timeout_s: float = 30) -> None:
+    """Until `listeners` are live in the heartbeat table, then two beats more: each has read
+    the others and dropped the buckets it gave up (`Partition.hold_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while len(client.store.live_members(client.clock.now_ms() - 5000)) < listeners:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{listeners} listeners never all beat")
+        time.sleep(0.1)
+    time.sleep(2 * client.settings.heartbeat_s + 0.5)
 
 
 def _max_attempts(client: Client) -> int:
