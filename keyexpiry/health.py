@@ -31,11 +31,13 @@ class Health:
         events: Callable[[], int],
         backlog: Callable[[], int],
         request_reconcile: Callable[[str], None],
+        mine: Callable[[str], bool] | None = None,
     ) -> None:
         self.rt = rt
         self._reconciler = reconciler
         self._events = events
         self._backlog = backlog
+        self._mine = mine
         self._request_reconcile = request_reconcile
         self.subscribed = threading.Event()
         self.events_arriving = True
@@ -113,14 +115,15 @@ class Health:
         if now_s - self._last_lease_check_s >= settings.lease_check_s or not self.events_arriving:
             self._last_lease_check_s = now_s
             self._reconciler.requeue_expired_leases()
-            # Overdue rows while our claimer still has events queued are most likely among them
-            # (every listener gets every event): re-arming them now would only swell the backlog
-            # of every listener. They are repaired once it drains (or by the next full pass).
+            # Overdue rows while our claimer still has events queued are most likely among them:
+            # re-arming them now would only swell the backlog. They are repaired once it drains
+            # (or by the next full pass). Only our share: a live peer's are its own to repair.
             if self._backlog() == 0 or not self.events_arriving:
                 # Without events the ledger is the only path: run what is due now.
                 self._reconciler.repair_stuck(
                     grace_ms=int(settings.stuck_after_s * 1000) if self.events_arriving else 0,
                     events_arriving=self.events_arriving,
+                    mine=self._mine,
                 )
         if not self.subscribed.is_set():
             return

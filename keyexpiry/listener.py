@@ -68,6 +68,7 @@ class Listener:
             events=lambda: self.router.events,
             backlog=self.dispatcher.backlog,
             request_reconcile=lambda reason: self.request_reconcile(reason),
+            mine=lambda key: self.fleet.partition.owns_key(key, rt.settings.key_prefix),
         )
         self.router = Router(
             rt,

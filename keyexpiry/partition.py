@@ -24,6 +24,8 @@ import hashlib
 import zlib
 from collections.abc import Mapping
 
+from keyexpiry.keys import task_class_of
+
 BUCKETS = 1024
 _MASK = BUCKETS - 1
 _ALL = b"\x01" * BUCKETS
@@ -106,6 +108,11 @@ class Partition:
         register, and unparsable ones, stay with the claimer, which knows what to say of them."""
         table = self._tables.get(class_name) if class_name is not None else None
         return table is None or table[zlib.crc32(key) & _MASK] != 0
+
+    def owns_key(self, key: str, prefix: str = "") -> bool:
+        """`owns` for a task key read from the ledger."""
+        raw = key.encode()
+        return self.owns(task_class_of(raw, prefix.encode()), raw)
 
     def owned_buckets(self) -> int:
         """Buckets owned, summed over classes (for metrics and `keyexpiry listeners`)."""

@@ -84,15 +84,26 @@ class Reconciler:
                 pass  # not registered here: the row's own schedule, else the settings'
         return retries.max_attempts(row.retry_schedule_s, options, self.settings)
 
-    def repair_stuck(self, *, grace_ms: int, events_arriving: bool, limit: int = 1000) -> int:
+    def repair_stuck(
+        self,
+        *,
+        grace_ms: int,
+        events_arriving: bool,
+        limit: int = 1000,
+        mine: Callable[[str], bool] | None = None,
+    ) -> int:
         """Pending rows due more than `grace_ms` ago: their key was deleted, renamed, persisted,
         evicted or flushed, or its event was lost. Re-arm them so they expire now (the event
         stays the dispatch path); while events do not arrive at all, submit them directly.
+        With `mine`, only keys of this listener's share (a live peer's overdue rows are most
+        likely in its backlog, and its own check repairs them).
 
         One query on the (status, due_at_ms) index, which normally returns nothing.
         """
         now_ms = self.clock.now_ms()
         rows = self.store.overdue(now_ms=now_ms - grace_ms, limit=limit)
+        if mine is not None:
+            rows = [(k, d) for k, d in rows if mine(k)]
         if not rows:
             return 0
         keys = [k for k, _ in rows]

@@ -140,6 +140,19 @@ def test_pending_pages_walk_every_row_once(store: Store) -> None:
     assert len(store.list_tasks(TaskStatus.PENDING, limit=5)) == 5
 
 
+def test_list_without_a_status_is_every_status_by_due_time(store: Store) -> None:
+    tasks = [NewTask(f"A@m@{i}", "A", "m", (str(i),), NOW + 10 * i) for i in range(12)]
+    store.upsert_pending(tasks, NOW)
+    store.claim(["A@m@1", "A@m@4"], now_ms=NOW + 100, lease_until_ms=NOW + 500, token="t")
+    store.cancel(["A@m@2"], NOW)
+    everything = store.list_tasks(None, limit=100)
+    assert [r.key for r in everything] == [f"A@m@{i}" for i in range(12)]  # due order
+    assert {r.status for r in everything} == {
+        TaskStatus.PENDING, TaskStatus.RUNNING, TaskStatus.CANCELLED,
+    }  # fmt: skip
+    assert [r.key for r in store.list_tasks(None, limit=3)] == ["A@m@0", "A@m@1", "A@m@2"]
+
+
 def _create_schema_at(url: str, barrier: Any) -> None:
     store = Store(make_engine(url))
     barrier.wait()
