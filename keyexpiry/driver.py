@@ -6,6 +6,11 @@ The driver keeps a window of upcoming (key, due) pairs read from the ledger's (s
 index, sleeps until the next due time, and looks the due keys up (PTTL), which makes Redis expire
 them and publish `expired` on the spot. The event stays the one dispatch path.
 
+Lookups come in passes at most one tick apart: a key due alone is looked up at its due time, keys
+falling due while a pass was recent wait for the next tick and go together. Every expiry sets off a
+chain of work (an event to read, a claim transaction, an outcome to record); keys that expire in the
+same instant share it, so a busy listener pays it once per tick rather than once per key.
+
 Tasks created after a window was read arrive through the wake channel (creators publish tasks due
 soon). One listener at a time drives, elected by a Redis lock, so lookups are not multiplied.
 """
@@ -28,12 +33,25 @@ from keyexpiry.threads import ThreadErrors, spawn
 # beyond it the task was rescheduled (the wake channel or the next read brings the new time).
 _RECHECK_MS = 50
 _LOOKUP_BATCH = 1000
+# The shortest time between two lookup passes: the most a busy stream of keys waits past its due
+# time for the driver, traded for keys looked up, announced and claimed together.
+TICK_MS = 4
 _LEASE_MS = 5000
 _RENEW = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
   return redis.call('pexpire', KEYS[1], ARGV[2])
 end
 return redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
+"""
+# One command for a whole pass, where a pipeline costs the client a command to pack and a reply to
+# parse per key. A key past its due time is expired (and announced) by its lookup in the script
+# as by a plain PTTL.
+_LOOK_UP = """
+local out = {}
+for i = 1, #KEYS do
+  out[i] = redis.call('pttl', KEYS[i])
+end
+return out
 """
 
 
@@ -46,6 +64,8 @@ class ExpiryDriver:
         self.settings, self.owner = rt.settings, rt.owner
         self.lookups = 0
         self.forced = 0
+        self.passes = 0
+        """Lookup passes made (`lookups / passes` keys per pass)."""
         self.is_leader = False
         self._heap: list[tuple[int, str]] = []
         self._lock = threading.Lock()
@@ -55,8 +75,10 @@ class ExpiryDriver:
         self._thread: threading.Thread | None = None
         self._errors = ThreadErrors()
         self._renew = self.redis.register_script(_RENEW)
+        self._pttls = self.redis.register_script(_LOOK_UP)
         self._lock_key = driver_lock_key(rt.settings.key_prefix)
         self._lease_checked_ms = 0
+        self._last_pass_ms = -TICK_MS
 
     def start(self, errors: ThreadErrors | None = None) -> None:
         """Run the driver on its own thread; unexpected exceptions are counted in `errors`."""
@@ -123,19 +145,26 @@ class ExpiryDriver:
         window_ms = int(self.settings.driver_window_s * 1000)
         if self._horizon_ms - now_ms < window_ms // 2:
             self._read_window(now_ms, window_ms)
+        next_pass = self._last_pass_ms + TICK_MS
         due: list[tuple[int, str]] = []
         with self._lock:
-            while self._heap and self._heap[0][0] <= now_ms:
-                due.append(heapq.heappop(self._heap))
-        if due:
-            self._look_up(due, now_ms)
-            return 0.0
-        with self._lock:
             next_due = self._heap[0][0] if self._heap else None
+            # Before the tick is over a due key waits for the keys falling due with it.
+            if next_due is not None and next_due <= now_ms and now_ms >= next_pass:
+                while self._heap and self._heap[0][0] <= now_ms:
+                    due.append(heapq.heappop(self._heap))
+                next_due = self._heap[0][0] if self._heap else None
+        if due:
+            self._last_pass_ms = now_ms
+            self._look_up(due, now_ms)
+            next_pass = now_ms + TICK_MS
+            with self._lock:  # the lookups may have put a key back (alive a hair longer)
+                next_due = self._heap[0][0] if self._heap else None
+            now_ms = self.clock.now_ms()
         next_read = self._horizon_ms - window_ms // 2
-        wake_at = min(next_due if next_due is not None else next_read, next_read)
-        # Re-check the lock at least once a second; never sleep past the next due time.
-        return max(0.0, min((wake_at - self.clock.now_ms()) / 1000.0, 1.0))
+        wake_at = next_read if next_due is None else min(max(next_due, next_pass), next_read)
+        # Re-check the lock at least once a second; never sleep past the next due time (or tick).
+        return max(0.0, min((wake_at - now_ms) / 1000.0, 1.0))
 
     def _hold_lock(self, now_ms: int) -> bool:
         if self.is_leader and now_ms - self._lease_checked_ms < _LEASE_MS // 5:
@@ -172,11 +201,9 @@ class ExpiryDriver:
     def _look_up(self, due: list[tuple[int, str]], now_ms: int) -> None:
         for start in range(0, len(due), _LOOKUP_BATCH):
             chunk = due[start : start + _LOOKUP_BATCH]
-            pipe = self.redis.pipeline(transaction=False)
-            for _, key in chunk:
-                pipe.pttl(key)
-            results = pipe.execute()
+            results = self._pttls(keys=[key for _, key in chunk])
             self.lookups += len(chunk)
+            self.passes += start == 0
             again: list[tuple[int, str]] = []
             for (_, key), pttl in zip(chunk, results, strict=True):
                 pttl = int(pttl)

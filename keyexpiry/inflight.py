@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from keyexpiry.clock import monotonic_s
@@ -17,6 +18,11 @@ from keyexpiry.rows import Outcome, TaskRow
 # is paid per batch, not per worker slot; the queue stays short enough that a claim's lease
 # rarely needs extending before its handler starts.
 _QUEUE_TARGET_S = 0.25
+# Outcomes wait about this long for others before they are written: a trickle of handlers ending
+# one at a time is recorded in one transaction per interval, not one per run. Nothing waits on
+# the write (the worker slot is free as soon as the handler returns), so only the ledger's view
+# of a finished run lags by this much.
+RECORD_GATHER_S = 0.05
 
 
 @dataclass(eq=False)
@@ -63,6 +69,7 @@ class InFlight:
         """Claimed and not yet finished (queued or running)."""
         self.running: dict[int, ClaimedRun] = {}
         self.outcomes: list[Outcome] = []
+        self._first_outcome_s = 0.0  # when the oldest queued outcome was queued
         self.recording = 0
         """Outcomes taken by the recorder and not yet written."""
         self._concurrency = concurrency
@@ -108,7 +115,7 @@ class InFlight:
                 return False
             self.running.pop(run.row.id, None)
             self.count -= 1
-            self.outcomes.append(outcome)
+            self._queue_outcome(outcome)
             assert run.started_s is not None
             took_s = monotonic_s() - run.started_s
             avg = self._run_s_avg
@@ -153,8 +160,13 @@ class InFlight:
     def add_outcome(self, outcome: Outcome) -> None:
         """Queue an outcome decided outside a worker (timeout, failure around a run)."""
         with self.cond:
-            self.outcomes.append(outcome)
+            self._queue_outcome(outcome)
             self.cond.notify_all()
+
+    def _queue_outcome(self, outcome: Outcome) -> None:
+        if not self.outcomes:
+            self._first_outcome_s = monotonic_s()
+        self.outcomes.append(outcome)
 
     def take_outcomes(self) -> list[Outcome]:
         """Every queued outcome, now counted as being recorded."""
@@ -172,14 +184,24 @@ class InFlight:
     def put_back(self, batch: list[Outcome]) -> None:
         """Outcomes whose write failed go back to the head of the queue."""
         with self.cond:
+            if not self.outcomes:
+                self._first_outcome_s = monotonic_s()
             self.outcomes[:0] = batch
             self.recording -= len(batch)
 
-    def wait_outcomes(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for an outcome to record."""
+    def wait_outcomes(self, timeout_s: float, gather_s: float = RECORD_GATHER_S) -> None:
+        """Wait up to `timeout_s` for an outcome to record, then until the oldest queued one has
+        waited `gather_s` for others to join it."""
         with self.cond:
             if not self.outcomes:
                 self.cond.wait(timeout_s)
+            if not self.outcomes:
+                return
+            left_s = self._first_outcome_s + gather_s - monotonic_s()
+        # A sleep, not the condition: every ending run notifies it, and each wake-up would cost
+        # about what the gathering saves.
+        if left_s > 0:
+            time.sleep(left_s)
 
     def quiet(self) -> bool:
         """Nothing claimed, running or waiting to be recorded."""

@@ -1,0 +1,131 @@
+"""The driver's passes: keys falling due within one tick share a lookup, none is looked up early,
+and a lookup both expires a due key and puts back one Redis still holds."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import wait_until
+from keyexpiry.clock import ManualClock
+from keyexpiry.driver import TICK_MS, ExpiryDriver
+from keyexpiry.keys import expired_channel
+from keyexpiry.runtime import Runtime
+
+Pass = tuple[int, list[int]]  # (the driver's now, due times looked up)
+
+
+@pytest.fixture
+def runtime(settings: Settings) -> Iterator[Runtime]:
+    rt = Runtime.open(settings)
+    yield rt
+    rt.close()
+
+
+def _driver_on_manual_clock(rt: Runtime, start_ms: int) -> tuple[ExpiryDriver, ManualClock]:
+    clock = ManualClock(start_ms)
+    rt.clock = clock  # type: ignore[assignment]
+    return ExpiryDriver(rt), clock
+
+
+def _record_passes(driver: ExpiryDriver) -> list[Pass]:
+    """Replace the Redis lookups with a record of them: which due times, at what time."""
+    passes: list[Pass] = []
+
+    def look_up(due: list[tuple[int, str]], now_ms: int) -> None:
+        passes.append((now_ms, sorted(d for d, _ in due)))
+
+    driver._look_up = look_up  # type: ignore[method-assign]
+    return passes
+
+
+def _leading(rt: Runtime, dues: list[int]) -> tuple[ExpiryDriver, ManualClock, list[Pass]]:
+    """A driver holding the lock, a second before the first of `dues`, tracking them (as the
+    wake channel announces them); its lookups recorded instead of made."""
+    driver, clock = _driver_on_manual_clock(rt, dues[0] - 1000)
+    passes = _record_passes(driver)
+    driver._step()  # takes the lock, reads the (empty) window
+    assert driver.is_leader
+    driver.note((f"tick{i}", due) for i, due in enumerate(dues))
+    assert driver.pending_count() == len(dues)
+    return driver, clock, passes
+
+
+def test_keys_due_within_a_tick_are_looked_up_in_one_pass_and_never_early(
+    client: Client, runtime: Runtime
+) -> None:
+    lone = runtime.clock.now_ms() + 60_000
+    burst, later = [lone + 1, lone + 2, lone + TICK_MS - 1], lone + 500
+    driver, clock, passes = _leading(runtime, [lone, *burst, later])
+
+    clock._now_ms = lone - 1
+    assert driver._step() == pytest.approx(0.001)  # sleeps until the first due time
+    assert not passes  # a millisecond early is still early
+
+    clock._now_ms = lone
+    driver._step()
+    assert passes == [(lone, [lone])]  # alone: looked up at its due time, not a tick later
+
+    # The next keys fall due before the tick is over: they wait for it, and go together.
+    clock._now_ms = burst[0]
+    assert driver._step() == pytest.approx((lone + TICK_MS - burst[0]) / 1000)
+    assert len(passes) == 1
+    clock._now_ms = lone + TICK_MS
+    driver._step()
+    assert passes[1] == (lone + TICK_MS, burst)
+
+    clock._now_ms = later
+    driver._step()
+    assert passes[2] == (later, [later])
+    assert all(due <= now for now, dues in passes for due in dues)  # never early
+    assert driver.pending_count() == 0
+
+
+def test_a_busy_stream_is_looked_up_once_per_tick(client: Client, runtime: Runtime) -> None:
+    start = runtime.clock.now_ms() + 60_000
+    dues = [start + i for i in range(100)]  # one key due every millisecond
+    driver, clock, passes = _leading(runtime, dues)
+    clock._now_ms = dues[0]
+    while driver.pending_count():
+        sleep_s = driver._step()
+        # The driver sleeps at least until the next due time, at most until the next tick.
+        clock.advance(max(1, round(sleep_s * 1000)))
+    looked_up = [due for _, batch in passes for due in batch]
+    assert sorted(looked_up) == dues
+    assert len(passes) <= 100 // TICK_MS + 2
+    assert all(due <= now < due + TICK_MS + 1 for now, batch in passes for due in batch)
+    times = [now for now, _ in passes]
+    assert all(b - a >= TICK_MS for a, b in itertools.pairwise(times))
+
+
+def test_a_lookup_expires_due_keys_and_puts_back_those_redis_still_holds(
+    client: Client, runtime: Runtime
+) -> None:
+    driver = ExpiryDriver(runtime)
+    redis = runtime.redis
+    events = redis.pubsub()  # type: ignore[no-untyped-call]
+    events.subscribe(expired_channel(runtime.db))
+    redis.set("tick:gone", b"", px=1)
+    redis.set("tick:alive", b"", px=30)  # "due" by a clock running a hair ahead of Redis's
+    redis.set("tick:moved", b"", px=60_000)  # rescheduled: the new time arrives another way
+    set_ms = runtime.clock.now_ms()
+    wait_until(lambda: runtime.clock.now_ms() > set_ms + 2, 5)  # untouched, so still stored
+    now_ms = set_ms
+    driver._look_up([(now_ms, "tick:gone"), (now_ms, "tick:alive"), (now_ms, "tick:moved")], now_ms)
+    assert driver.lookups == 3 and driver.passes == 1 and driver.forced == 1
+    # The lookup made Redis expire the due key and announce it.
+    heard: list[bytes] = []
+
+    def expired_heard() -> bool:
+        msg = events.get_message(timeout=0.1)
+        if msg is not None and msg["type"] == "message":
+            heard.append(msg["data"])
+        return b"tick:gone" in heard
+
+    wait_until(expired_heard, 5)
+    events.close()
+    [(due, key)] = driver._heap
+    assert key == "tick:alive" and now_ms < due <= now_ms + 31
