@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from keyexpiry.bench import harness
+from keyexpiry.bench import cpuquota, harness
 from keyexpiry.bench.run import format_table
 from keyexpiry.embedded import redis_binary
 from keyexpiry.errors import ConfigError
@@ -86,3 +86,32 @@ def test_without_a_system_redis_server_the_bundled_one_is_used_and_described(
     assert harness.redis_server_binary() == redis_binary()
     figures = harness.machine()
     assert figures["redis"].startswith("v=") and figures["mariadb"] == "-"
+
+
+@pytest.mark.skipif(
+    cpuquota.unavailable() is not None, reason=str(cpuquota.unavailable())
+)  # root with a cgroup cpu controller (CI and the dev machines have both)
+def test_a_cpu_quota_holds_a_busy_process_to_its_share() -> None:
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    quota = cpuquota.CpuQuota(0.2)
+    try:
+        quota.add(busy.pid)
+        proc = psutil.Process(busy.pid)
+        start_cpu, start = sum(proc.cpu_times()[:2]), time.monotonic()
+        deadline = start + 1.5
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        used = (sum(proc.cpu_times()[:2]) - start_cpu) / (time.monotonic() - start)
+        assert used < 0.35, used  # unlimited, a busy loop takes a whole core
+        assert quota.throttled_s() > 0
+    finally:
+        busy.kill()
+        busy.wait()
+        quota.remove()
+    assert not quota.path.exists()

@@ -9,6 +9,7 @@ is its own, and the rate ratio says whether work spreads over listeners.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,14 +18,21 @@ from keyexpiry.bench import cpuquota
 from keyexpiry.bench.harness import Servers, median_of
 from keyexpiry.bench.scenarios import due_wave
 
-QUOTA_CORES = 0.5
+QUOTA_ENV = "KEYEXPIRY_BENCH_QUOTA_CORES"
+"""The CPU quota per listener in the quota variants (cores; default 0.5)."""
+
+
+def quota_cores() -> float:
+    """The quota per listener (`KEYEXPIRY_BENCH_QUOTA_CORES`, default half a core)."""
+    return float(os.environ.get(QUOTA_ENV, "0.5"))
 
 
 def variants() -> list[tuple[int, float | None]]:
     """(listeners, quota) pairs; the quota ones only where cgroups allow it."""
     out: list[tuple[int, float | None]] = [(1, None), (2, None), (3, None)]
     if cpuquota.unavailable() is None:
-        out += [(1, QUOTA_CORES), (2, QUOTA_CORES)]
+        cores = quota_cores()
+        out += [(1, cores), (2, cores), (3, cores)]
     return out
 
 
