@@ -16,11 +16,15 @@ WAKE_MAX_BYTES = _WAKE_ENTRIES_PER_MESSAGE * (MAX_KEY_BYTES + 24)
 # round trip); above it one script call per chunk replaces a command and a reply per key.
 _SCRIPT_MIN_KEYS = 64
 _SCRIPT_CHUNK = 1000
+# The due times travel as one space-separated argument: redis-py packs each argument in Python,
+# and one string instead of a thousand numbers makes arming a bulk create ~25% faster here.
 _ARM_SCRIPT = """
-for i = 1, #KEYS do
-  redis.call('SET', KEYS[i], '', 'PXAT', ARGV[i])
+local i = 0
+for due in string.gmatch(ARGV[1], '%d+') do
+  i = i + 1
+  redis.call('SET', KEYS[i], '', 'PXAT', due)
 end
-return #KEYS
+return i
 """
 
 
@@ -61,7 +65,8 @@ def arm_keys(
         script = client.register_script(_ARM_SCRIPT)
         for start in range(0, len(future), _SCRIPT_CHUNK):
             chunk = future[start : start + _SCRIPT_CHUNK]
-            script(keys=[k for k, _ in chunk], args=[d for _, d in chunk], client=pipe)
+            dues = " ".join([str(int(d)) for _, d in chunk])
+            script(keys=[k for k, _ in chunk], args=[dues], client=pipe)
     channel = wake_channel(redis_db(client), settings.key_prefix)
     for start in range(0, len(soon), _WAKE_ENTRIES_PER_MESSAGE):
         pipe.publish(channel, "\n".join(soon[start : start + _WAKE_ENTRIES_PER_MESSAGE]))

@@ -286,7 +286,8 @@ class LiteralUpsert:
 
         `escape` turns a string into a quoted SQL literal: the driver connection's `escape`.
         """
-        now, names = int(now_ms), dict[tuple[str, str], str]()
+        now = int(now_ms)
+        names: dict[tuple[str, str], str] = {}
         rows: list[str] = []
         size = len(self._head) + len(self._tail)
         row_of = self._row
