@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import StoreError
 from keyexpiry.store import NewTask, Outcome, Store, TaskStatus, make_engine
 
@@ -173,7 +174,8 @@ def test_a_bulk_create_is_a_few_multi_row_statements_not_one_per_task(mysql_url:
 
     before = inserts()
     store.upsert_pending([new(f"A@m@bulk{i}") for i in range(2000)], NOW)
-    # PyMySQL folds an executemany into multi-row INSERTs only while VALUES holds nothing but
+    # Rows are written into multi-row statements (`LiteralUpsert`). Were it ever PyMySQL's
+    # executemany again: that folds into multi-row INSERTs only while VALUES holds nothing but
     # placeholders; a literal there silently costs a statement (a round trip) per task.
     assert inserts() - before < 10
     assert store.count_pending() == 2000
@@ -265,6 +267,27 @@ def test_a_bulk_create_larger_than_one_statement_is_one_transaction(mysql_url: s
     assert after["Com_commit"] - before["Com_commit"] == 1
     assert store.count_pending() == 20_000
     store.engine.dispose()
+
+
+def test_disposing_the_engine_closes_the_autocommit_pool_too(mysql_url: str) -> None:
+    store = Store(make_engine(mysql_url))
+    store.create_schema()
+    store.upsert_pending([new("A@m@1")], NOW)  # a connection from each pool, back in its pool
+    admin = make_engine(mysql_url)
+
+    def connections() -> int:
+        with admin.connect() as conn:
+            return int(
+                conn.exec_driver_sql(
+                    "SELECT COUNT(*) FROM information_schema.processlist "
+                    "WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+                ).scalar_one()
+            )
+
+    assert connections() == 2
+    store.engine.dispose()  # what Runtime.close does
+    wait_until(lambda: connections() == 0, 10)
+    admin.dispose()
 
 
 def test_a_single_create_on_a_dropped_connection_is_retried(mysql_url: str) -> None:
