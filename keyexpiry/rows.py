@@ -82,9 +82,8 @@ class NewTask:
     retry_schedule_s: tuple[float, ...] | None = None
 
 
-_ARGS_ENCODER = json.JSONEncoder(
-    ensure_ascii=False
-)  # once: `json.dumps` with options makes one a call
+# Made once: `json.dumps` given options builds an encoder on every call.
+_ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
 
 def args_json(args: tuple[str, ...]) -> str:

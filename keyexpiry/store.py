@@ -22,13 +22,7 @@ from keyexpiry.retention import RetentionQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus, args_json, schedule_json
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.scans import ScanQueries
-from keyexpiry.table import (
-    TABLE_NAME,
-    T,
-    make_engine,
-    metadata,
-    time_limit_task,
-)
+from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task
 
 # Statements whose values are written into them: no `%` in them is a placeholder for PyMySQL.
 _NO_PARAMETERS = {"no_parameters": True}
