@@ -82,6 +82,20 @@ class NewTask:
     retry_schedule_s: tuple[float, ...] | None = None
 
 
+# Made once: `json.dumps` given options builds an encoder on every call.
+_ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
+
+
+def args_json(args: tuple[str, ...]) -> str:
+    """The `args` column of a new row: a JSON list (UTF-8 text, not \\u escapes)."""
+    return _ARGS_ENCODER.encode(args)
+
+
+def schedule_json(schedule: tuple[float, ...] | None) -> str | None:
+    """The `retry_schedule_s` column of a new row (NULL: the method's and settings' schedule)."""
+    return None if schedule is None else json.dumps(list(schedule))
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """How one claimed run ended, to be recorded in a batch."""

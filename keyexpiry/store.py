@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -24,10 +23,13 @@ from keyexpiry.ledger import retried_once
 from keyexpiry.lookups import LookupQueries
 from keyexpiry.migrations import add_missing_columns
 from keyexpiry.retention import RetentionQueries
-from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
+from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus, args_json, schedule_json
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.scans import ScanQueries
 from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task
+
+# Statements whose values are written into them: no `%` in them is a placeholder for PyMySQL.
+_NO_PARAMETERS = {"no_parameters": True}
 
 __all__ = [
     "TABLE_NAME",
@@ -92,36 +94,53 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
     # --- create / cancel / read -----------------------------------------------------------------
     @retried_once
     def upsert_pending(self, tasks: Sequence[NewTask], now_ms: int) -> None:
-        """Insert each task as pending, or reset an existing key to pending at its new due time."""
+        """Insert each task as pending, or reset an existing key to pending at its new due time.
+
+        One transaction; on MySQL/MariaDB a single task is one autocommitted statement (one round
+        trip: creating one task at a time is bound by round trips).
+        """
         if not tasks:
             return
-        rows = [
-            {
-                "task_key": t.key,
-                "class_name": t.class_name,
-                "method": t.method,
-                "args": json.dumps(list(t.args), ensure_ascii=False),
-                "status": TaskStatus.PENDING.value,
-                "attempts": 0,
-                "retry_schedule_s": json.dumps(list(t.retry_schedule_s))
-                if t.retry_schedule_s is not None
-                else None,
-                "due_at_ms": t.due_at_ms,
-                "created_at_ms": now_ms,
-                "updated_at_ms": now_ms,
-                "started_at_ms": None,
-                "finished_at_ms": None,
-                "claimed_by": None,
-                "lease_until_ms": None,
-                "last_error": None,
-            }
-            for t in tasks
-        ]
+        if self._literal_upserts:
+            if len(tasks) == 1 and self._autocommit is not None:
+                (task,) = tasks
+                self._autocommitted(
+                    lambda dialect, dbapi_conn: self._literal(dialect).one(
+                        dbapi_conn.escape, task, now_ms
+                    )
+                )
+                return
+            with self._tx() as conn:
+                escape = conn.connection.driver_connection.escape  # type: ignore[union-attr]
+                for sql in self._literal(conn.dialect).statements(escape, tasks, now_ms):
+                    conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
+            return
+        # One statement run as executemany: sqlite3 loops in C (other MySQL drivers fold it into
+        # multi-row INSERTs), so a bulk create costs a few round trips, not one a task.
+        rows = [self._bound_row(t, now_ms) for t in tasks]
         with self._tx() as conn:
-            # One statement run as executemany: PyMySQL folds it into multi-row INSERTs and
-            # sqlite3 loops in C, so a bulk create costs a few round trips, not one per task.
             for start in range(0, len(rows), 5000):
                 conn.execute(self._upsert, rows[start : start + 5000])
+
+    @staticmethod
+    def _bound_row(t: NewTask, now_ms: int) -> dict[str, object]:
+        return {
+            "task_key": t.key,
+            "class_name": t.class_name,
+            "method": t.method,
+            "args": args_json(t.args),
+            "status": TaskStatus.PENDING.value,
+            "attempts": 0,
+            "retry_schedule_s": schedule_json(t.retry_schedule_s),
+            "due_at_ms": t.due_at_ms,
+            "created_at_ms": now_ms,
+            "updated_at_ms": now_ms,
+            "started_at_ms": None,
+            "finished_at_ms": None,
+            "claimed_by": None,
+            "lease_until_ms": None,
+            "last_error": None,
+        }
 
     def cancel(self, keys: Sequence[str], now_ms: int) -> list[str]:
         """Cancel those of `keys` that are pending; return the keys actually cancelled."""

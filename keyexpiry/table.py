@@ -3,6 +3,8 @@ engine tuned for it, and the create-or-reschedule upsert."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -22,9 +24,11 @@ from sqlalchemy import (
     func,
 )
 from sqlalchemy.dialects import mysql, sqlite
+from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.errors import StoreError
+from keyexpiry.rows import NewTask, TaskStatus, args_json, schedule_json
 from keyexpiry.settings import mask_url
 
 TABLE_NAME = "time_limit_task"
@@ -138,21 +142,60 @@ def make_engine(url: str) -> Engine:
             isolation_level="READ COMMITTED",
         )
 
-        @event.listens_for(engine, "connect")
-        def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
-            # keyexpiry's own transactions hold row locks for milliseconds: waiting the server's
-            # default 50 s on a row someone else locked would stall the claimer for that long
-            # (and again when it claims around the lock). A lower server setting is kept.
-            cur = dbapi_conn.cursor()
-            cur.execute(
-                "SET SESSION innodb_lock_wait_timeout = "
-                f"LEAST(@@GLOBAL.innodb_lock_wait_timeout, {_LOCK_WAIT_MAX_S})"
-            )
-            cur.close()
-
+        event.listen(engine, "connect", _short_lock_waits)
         return engine
     except (SQLAlchemyError, ImportError, ValueError) as exc:
         raise StoreError(f"cannot use database {mask_url(url)}: {exc}") from None
+
+
+def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
+    # keyexpiry's own transactions hold row locks for milliseconds: waiting the server's default
+    # 50 s on a row someone else locked would stall the claimer for that long (and again when it
+    # claims around the lock). A lower server setting is kept.
+    cur = dbapi_conn.cursor()
+    cur.execute(
+        "SET SESSION innodb_lock_wait_timeout = "
+        f"LEAST(@@GLOBAL.innodb_lock_wait_timeout, {_LOCK_WAIT_MAX_S})"
+    )
+    cur.close()
+
+
+def _read_committed(dbapi_conn: Any, _record: Any) -> None:
+    # As on the main pool (whose isolation_level says so): an upsert takes no gap locks.
+    cur = dbapi_conn.cursor()
+    cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    cur.close()
+
+
+def autocommit_engine(engine: Engine) -> Engine | None:
+    """A second pool on `engine`'s MySQL/MariaDB database whose connections stay in autocommit,
+    for statements that are a whole transaction by themselves (creating one task).
+
+    On the main pool such a statement costs two round trips (it, then COMMIT); here it costs
+    one, and returning the connection sends nothing (no ROLLBACK). Switching a pooled connection
+    to autocommit and back would cost more round trips than it saves. None on SQLite (no round
+    trips to save) and on SQLAlchemy before 2.0.43 (no `skip_autocommit_rollback`: closing the
+    connection would send a ROLLBACK, as costly as the COMMIT saved).
+    """
+    if engine.dialect.name == "sqlite":
+        return None
+    try:
+        auto = create_engine(
+            engine.url,
+            pool_pre_ping=False,  # as on the main pool: a dead connection is retried instead
+            pool_reset_on_return=None,
+            pool_recycle=1800,
+            pool_size=10,
+            isolation_level="AUTOCOMMIT",
+            skip_autocommit_rollback=True,
+        )
+    except TypeError:
+        return None
+    event.listen(auto, "connect", _short_lock_waits)
+    event.listen(auto, "connect", _read_committed)
+    # Whoever closes the ledger disposes of its engine; this pool goes with it.
+    event.listen(engine, "engine_disposed", lambda _engine: auto.dispose())
+    return auto
 
 
 _RESET_ON_CREATE = (
@@ -174,3 +217,92 @@ def upsert_statement(dialect: str) -> Any:
     # the VALUES clause holds nothing but placeholders (a literal there means a round trip a row).
     mins = mysql.insert(T)
     return mins.on_duplicate_key_update({c: mins.inserted[c] for c in _RESET_ON_CREATE})
+
+
+_LITERAL_COLUMNS = (
+    "task_key", "class_name", "method", "args", "status", "attempts", "retry_schedule_s",
+    "due_at_ms", "created_at_ms", "updated_at_ms", "started_at_ms", "finished_at_ms",
+    "claimed_by", "lease_until_ms", "last_error",
+)  # fmt: skip
+"""The columns `LiteralUpsert.statements` writes, in the order of its row literal."""
+_ONE_ROW = re.compile(r"(INSERT INTO .*? VALUES )\(((?:%\(\w+\)s, )*%\(\w+\)s)\)(.*)", re.DOTALL)
+
+LITERAL_STATEMENT_MAX_BYTES = 1_000_000
+"""A bulk upsert is cut into statements of at most this size, as PyMySQL cuts its own multi-row
+INSERTs: below the smallest `max_allowed_packet` a server is likely to have (1 MiB)."""
+
+
+class LiteralUpsert:
+    """The MySQL/MariaDB upsert that `upsert_statement` renders, with its rows written into
+    VALUES here instead of bound by the driver (PyMySQL).
+
+    PyMySQL escapes each of the 15 bound values of a row in Python, through a type dispatch: most
+    of a bulk create's time. Here a row is one f-string: the caller's strings (key, names,
+    arguments, schedule) escaped by the connection itself (which follows the server's
+    NO_BACKSLASH_ESCAPES), numbers formatted as integers, and the constants of a fresh pending row
+    written as literals. The statement is SQLAlchemy's, so the ON DUPLICATE KEY UPDATE clause
+    (`VALUES(col)`, or the `AS new` alias on MySQL 8) is exactly what the bound upsert sends.
+    """
+
+    def __init__(self, dialect: Dialect) -> None:
+        # Rendered by the dialect of a connected engine: the upsert's form depends on the server.
+        sql = str(
+            upsert_statement(dialect.name).compile(
+                dialect=dialect, column_keys=list(_LITERAL_COLUMNS)
+            )
+        )
+        match = _ONE_ROW.fullmatch(sql)
+        names = re.findall(r"%\((\w+)\)s", match.group(2)) if match else []
+        if (
+            match is None
+            or tuple(names) != _LITERAL_COLUMNS
+            or "%" in match.group(1) + match.group(3)
+        ):
+            raise StoreError(f"unexpected form of the upsert statement: {sql[:300]}")
+        self._head, self._tail = match.group(1), match.group(3)
+        self._pending = "'" + TaskStatus.PENDING.value + "'"
+
+    def one(self, escape: Callable[[str], str], task: NewTask, now_ms: int) -> str:
+        """The statement that inserts or resets `task` alone."""
+        return self._head + self._row(escape, task, int(now_ms), {}) + self._tail
+
+    def _row(
+        self, escape: Callable[[str], str], t: NewTask, now: int, names: dict[tuple[str, str], str]
+    ) -> str:
+        # A bulk create is mostly of one or a few task methods: their names are quoted once.
+        quoted = names.get((t.class_name, t.method))
+        if quoted is None:
+            quoted = names[t.class_name, t.method] = f"{escape(t.class_name)},{escape(t.method)}"
+        schedule = schedule_json(t.retry_schedule_s)
+        return (
+            f"({escape(t.key)},{quoted},{escape(args_json(t.args))},{self._pending},0,"
+            f"{'NULL' if schedule is None else escape(schedule)},{int(t.due_at_ms)},"
+            f"{now},{now},NULL,NULL,NULL,NULL,NULL)"
+        )
+
+    def statements(
+        self,
+        escape: Callable[[str], str],
+        tasks: Sequence[NewTask],
+        now_ms: int,
+        max_bytes: int = LITERAL_STATEMENT_MAX_BYTES,
+    ) -> Iterator[str]:
+        """The statements that insert or reset `tasks` as pending: as few as fit `max_bytes`.
+
+        `escape` turns a string into a quoted SQL literal: the driver connection's `escape`.
+        """
+        now = int(now_ms)
+        names: dict[tuple[str, str], str] = {}
+        rows: list[str] = []
+        size = len(self._head) + len(self._tail)
+        row_of = self._row
+        for t in tasks:
+            row = row_of(escape, t, now, names)
+            n = (len(row) if row.isascii() else len(row.encode())) + 1
+            if rows and size + n > max_bytes:
+                yield self._head + ",".join(rows) + self._tail
+                rows, size = [], len(self._head) + len(self._tail)
+            rows.append(row)
+            size += n
+        if rows:
+            yield self._head + ",".join(rows) + self._tail

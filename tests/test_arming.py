@@ -24,6 +24,31 @@ def test_every_key_expires_exactly_at_its_due_time(redis_url: str, n: int) -> No
     r.close()
 
 
+def test_one_key_due_beyond_the_wake_horizon_is_set_and_announces_nothing(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    sub = r.pubsub()
+    sub.subscribe(wake_channel(0, ""))
+    wait_until(lambda: sub.get_message(timeout=0.1) is None, 5)  # drain the subscribe reply
+    now_ms = int(r.time()[0]) * 1000
+    settings = Settings(wake_ahead_s=120)
+    arm_keys(r, [("Probe@record@far", now_ms + 3_600_000)], now_ms, settings)
+    assert r.execute_command("PEXPIRETIME", "Probe@record@far") == now_ms + 3_600_000
+    # A key due soon is announced; had the far one been, its message would have come first.
+    arm_keys(r, [("Probe@record@near", now_ms + 60_000)], now_ms, settings)
+    messages: list[bytes] = []
+
+    def got_one() -> bool:
+        msg = sub.get_message(timeout=0.1)
+        if msg and msg["type"] == "message":
+            messages.append(msg["data"])
+        return bool(messages)
+
+    wait_until(got_one, 5)
+    assert messages == [f"{now_ms + 60_000} Probe@record@near".encode()]
+    sub.close()
+    r.close()
+
+
 def test_keys_already_due_expire_at_once_as_expired_and_the_rest_wake_the_driver(
     redis_url: str,
 ) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from keyexpiry.bench.servers import wait_until
+from keyexpiry.errors import StoreError
 from keyexpiry.store import NewTask, Outcome, Store, TaskStatus, make_engine
 
 NOW = 1_700_000_000_000
@@ -185,7 +187,8 @@ def test_a_bulk_create_is_a_few_multi_row_statements_not_one_per_task(mysql_url:
 
     before = inserts()
     store.upsert_pending([new(f"A@m@bulk{i}") for i in range(2000)], NOW)
-    # PyMySQL folds an executemany into multi-row INSERTs only while VALUES holds nothing but
+    # Rows are written into multi-row statements (`LiteralUpsert`). Were it ever PyMySQL's
+    # executemany again: that folds into multi-row INSERTs only while VALUES holds nothing but
     # placeholders; a literal there silently costs a statement (a round trip) per task.
     assert inserts() - before < 10
     assert store.count_pending() == 2000
@@ -201,3 +204,136 @@ def test_ledger_connections_wait_at_most_5_s_on_a_row_lock(mysql_url: str) -> No
         ).one()
     engine.dispose()
     assert tuple(got) == (5, 50)
+
+
+def _com(conn: Any, *names: str) -> dict[str, int]:
+    """MariaDB's server-wide statement counters (this test's server only runs this test), read
+    on a connection the caller keeps open (closing it would count a ROLLBACK)."""
+    got = {str(k): v for k, v in conn.exec_driver_sql("SHOW GLOBAL STATUS").all()}
+    return {n: int(got[n]) for n in names}
+
+
+def test_a_single_create_is_one_statement_and_no_commit_on_mariadb(mysql_url: str) -> None:
+    store = Store(make_engine(mysql_url))
+    store.create_schema()
+    store.upsert_pending([new("A@m@warm")], NOW)  # connections opened (their SETs counted)
+    counters = ("Com_insert", "Com_commit", "Com_rollback", "Com_begin", "Com_set_option")
+    admin = make_engine(mysql_url)
+    with admin.connect() as conn:
+        before = _com(conn, *counters)
+        store.upsert_pending([new("A@m@one", NOW + 5)], NOW)
+        after = _com(conn, *counters)
+    admin.dispose()
+    # The INSERT commits as it runs (autocommit): one round trip, no COMMIT or ROLLBACK after it.
+    assert {n: after[n] - before[n] for n in counters} == {
+        "Com_insert": 1,
+        "Com_commit": 0,
+        "Com_rollback": 0,
+        "Com_begin": 0,
+        "Com_set_option": 0,
+    }
+    row = store.get("A@m@one")
+    assert row is not None and (row.status, row.due_at_ms) == (TaskStatus.PENDING, NOW + 5)
+    store.engine.dispose()
+
+
+HOSTILE = ("it's", 'say "hi"', "back\\slash\\", "\\'; DROP TABLE x; --", "nul\x00byte",
+           "line\nbreak\r\x1a", "100%", "%(task_key)s", "%s", "é@🎈", "")  # fmt: skip
+
+
+@pytest.mark.parametrize("sql_mode", ["", "NO_BACKSLASH_ESCAPES"])
+def test_written_values_round_trip_whatever_they_hold(mysql_url: str, sql_mode: str) -> None:
+    # Values are written into the statement on MariaDB: quotes, backslashes, NUL, `%` and
+    # non-ASCII text must come back as given, with or without backslash escapes on the server.
+    sep = "&" if "?" in mysql_url else "?"
+    url = f"{mysql_url}{sep}init_command=SET+SESSION+sql_mode%3D%27{sql_mode}%27"
+    store = Store(make_engine(url))
+    store.create_schema()
+    single = [
+        NewTask(f"A@m@{i}'\\", "A", "m", (a, a), NOW + i, (0.5, 2.0)) for i, a in enumerate(HOSTILE)
+    ]
+    for t in single:
+        store.upsert_pending([t], NOW)
+    bulk = [NewTask(f"B@m@{i}\\'", "B", "m", (a,), NOW + i) for i, a in enumerate(HOSTILE)]
+    store.upsert_pending(bulk, NOW)
+    got = store.get_many([t.key for t in single + bulk])
+    assert {k: (r.args, r.due_at_ms, r.retry_schedule_s) for k, r in got.items()} == {
+        t.key: (t.args, t.due_at_ms, t.retry_schedule_s) for t in single + bulk
+    }
+    with store.engine.connect() as conn:
+        mode = conn.exec_driver_sql("SELECT @@SESSION.sql_mode").scalar_one()
+    assert ("NO_BACKSLASH_ESCAPES" in str(mode)) == bool(sql_mode)
+    store.engine.dispose()
+
+
+def test_a_bulk_create_larger_than_one_statement_is_one_transaction(mysql_url: str) -> None:
+    store = Store(make_engine(mysql_url))
+    store.create_schema()
+    admin = make_engine(mysql_url)
+    with admin.connect() as conn:
+        before = _com(conn, "Com_insert", "Com_commit")
+        # ~20,000 rows of ~200 bytes: several statements of at most 1 MB, committed once.
+        store.upsert_pending([new(f"A@m@big{i}") for i in range(20_000)], NOW)
+        after = _com(conn, "Com_insert", "Com_commit")
+    admin.dispose()
+    assert 2 <= after["Com_insert"] - before["Com_insert"] < 20
+    assert after["Com_commit"] - before["Com_commit"] == 1
+    assert store.count_pending() == 20_000
+    store.engine.dispose()
+
+
+def test_disposing_the_engine_closes_the_autocommit_pool_too(mysql_url: str) -> None:
+    store = Store(make_engine(mysql_url))
+    store.create_schema()
+    store.upsert_pending([new("A@m@1")], NOW)  # a connection from each pool, back in its pool
+    admin = make_engine(mysql_url)
+
+    def connections() -> int:
+        with admin.connect() as conn:
+            return int(
+                conn.exec_driver_sql(
+                    "SELECT COUNT(*) FROM information_schema.processlist "
+                    "WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+                ).scalar_one()
+            )
+
+    assert connections() == 2
+    store.engine.dispose()  # what Runtime.close does
+    wait_until(lambda: connections() == 0, 10)
+    admin.dispose()
+
+
+def test_a_single_create_on_a_dropped_connection_is_retried(mysql_url: str) -> None:
+    store = Store(make_engine(mysql_url))
+    store.create_schema()
+    store.upsert_pending([new("A@m@first")], NOW)
+    admin = make_engine(mysql_url)
+    with admin.connect() as conn:
+        ids = (
+            conn.exec_driver_sql(
+                "SELECT id FROM information_schema.processlist "
+                "WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+            )
+            .scalars()
+            .all()
+        )
+        for i in ids:
+            conn.exec_driver_sql(f"KILL CONNECTION {int(i)}")
+    admin.dispose()
+    assert ids  # the store's pooled connections, the autocommit one among them
+    store.upsert_pending([new("A@m@after")], NOW)  # dead connection found, retried on a new one
+    assert store.get("A@m@after") is not None
+    store.engine.dispose()
+
+
+def test_a_refused_single_create_is_a_store_error_and_the_pool_goes_on(db_url: str) -> None:
+    store = Store(make_engine(db_url))
+    store.create_schema()
+    store.upsert_pending([new("A@m@1")], NOW)
+    with pytest.raises(StoreError) as caught:
+        # A NOT NULL column given NULL: refused by every backend, on the single-task path.
+        store.upsert_pending([NewTask("A@m@2", None, "m", (), NOW)], NOW)  # type: ignore[arg-type]
+    assert not caught.value.disconnected
+    store.upsert_pending([new("A@m@3")], NOW)
+    assert store.count_pending() == 2
+    store.engine.dispose()
