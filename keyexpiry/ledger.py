@@ -104,6 +104,17 @@ class Ledger:
             raw = engine.raw_connection()
         except SQLAlchemyError as exc:
             raise self._store_error(exc) from exc
+        except dialect.loaded_dbapi.Error as exc:
+            # A pool's connect raises the driver's own error, unwrapped (engine.connect wraps it).
+            wrapped = DBAPIError.instance(
+                None,
+                None,
+                exc,
+                dialect.loaded_dbapi.Error,
+                connection_invalidated=dialect.is_disconnect(exc, None, None),
+                dialect=dialect,
+            )
+            raise self._store_error(wrapped) from wrapped
         statement, cursor = "", None
         try:
             statement = build(dialect, raw.driver_connection)
