@@ -195,9 +195,11 @@ class Subscription:
         conn = pubsub.connection
         count = 0
         while count < _MAX_MESSAGES_PER_STEP and conn.can_read(timeout=0):
-            reply = conn.read_response()
+            # push_request: hiredis hands pub/sub messages over as push replies; without it
+            # redis-py passes them to its push handler and blocks reading the next one.
+            reply = conn.read_response(push_request=True)
             count += 1
-            if type(reply) is list and len(reply) == 3 and reply[0] == b"message":
+            if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
                 self._dispatch(reply[1], reply[2])
             else:
                 msg = pubsub.handle_message(reply, ignore_subscribe_messages=True)
