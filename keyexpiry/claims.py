@@ -1,16 +1,129 @@
-"""The listener's ledger queries: claim a batch, record outcomes, release, extend a lease."""
+"""The listener's ledger queries: claim a batch, record outcomes, release, extend a lease.
+
+The claimer and the recorder run transactions of a few rows many times a second, so what a call
+costs whatever its size matters most: their statements are compiled once per store (`Prepared`),
+one for each list size of a few sizes (`_size`), instead of being built and looked up in
+SQLAlchemy's cache on every call.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
-from sqlalchemy import Text, bindparam, select, update
+from sqlalchemy import ClauseElement, Text, bindparam, case, select, update
 
 from keyexpiry.ledger import Ledger, retried_once
-from keyexpiry.rows import Outcome, TaskRow, TaskStatus
-from keyexpiry.rows import row_from_db as _row
+from keyexpiry.rows import CLAIM_SETS, Outcome, TaskRow, TaskStatus, claimed_row_from_db
 from keyexpiry.table import T, with_earlier_errors
+
+_X = TypeVar("_X")
+
+_MAX_LIST = 1024
+"""The most keys or outcomes one statement names: a bigger batch takes several statements in the
+same transaction (SQLite refuses more than 32,766 parameters; fewer sizes to compile)."""
+
+# Bind parameter names of list elements, by position.
+_KEY = tuple(f"k{i}" for i in range(_MAX_LIST))
+_ID = tuple(f"i{i}" for i in range(_MAX_LIST))
+_TOKEN = tuple(f"t{i}" for i in range(_MAX_LIST))
+
+
+def _size(n: int) -> int:
+    """The list size a statement for `n` values is compiled for: 1, 2, 3, 4, 6, 8, 12, 16, 24, …
+    (powers of two and halfway between), so a handful of statements serve every batch and a
+    list is padded by at most half."""
+    if n <= 4:
+        return n
+    power = 1 << (n - 1).bit_length()
+    return power * 3 // 4 if n <= power * 3 // 4 else power
+
+
+def _lists(values: Sequence[_X]) -> Iterator[list[_X]]:
+    """`values` in lists of at most `_MAX_LIST`, each padded to its statement's size with its own
+    last value again: a value named twice in an IN list (or a CASE) matches its row once."""
+    for start in range(0, len(values), _MAX_LIST):
+        part = list(values[start : start + _MAX_LIST])
+        part += part[-1:] * (_size(len(part)) - len(part))
+        yield part
+
+
+def _claim_update(size: int) -> ClauseElement:
+    return (
+        update(T)
+        .where(
+            T.c.task_key.in_([bindparam(name) for name in _KEY[:size]]),
+            T.c.status == TaskStatus.PENDING.value,
+            T.c.due_at_ms <= bindparam("now"),
+        )
+        .values(
+            status=TaskStatus.RUNNING.value,
+            claimed_by=bindparam("token"),
+            lease_until_ms=bindparam("lease"),
+            attempts=T.c.attempts + 1,
+            started_at_ms=bindparam("now"),
+            finished_at_ms=None,
+            updated_at_ms=bindparam("now"),
+        )
+    )
+
+
+def _claimed_rows() -> ClauseElement:
+    return select(*[c for c in T.c if c.name not in CLAIM_SETS]).where(
+        T.c.claimed_by == bindparam("token"), T.c.status == TaskStatus.RUNNING.value
+    )
+
+
+def _record_done(size: int) -> ClauseElement:
+    # One statement for runs of many claims: each row is matched by its id and must still be
+    # held by the token of the run that ended, as in one UPDATE per claim. The id list is what
+    # the index looks up; the CASE only checks the token of each row found.
+    token_of_id = case(
+        *[(bindparam(i), bindparam(t)) for i, t in zip(_ID[:size], _TOKEN, strict=False)],
+        value=T.c.id,
+    )
+    return (
+        update(T)
+        .where(
+            T.c.id.in_([bindparam(name) for name in _ID[:size]]),
+            T.c.status == TaskStatus.RUNNING.value,
+            T.c.claimed_by == token_of_id,
+        )
+        .values(
+            status=TaskStatus.DONE.value,
+            finished_at_ms=bindparam("now"),
+            last_error=None,
+            lease_until_ms=None,
+            updated_at_ms=bindparam("now"),
+        )
+    )
+
+
+def _extend_lease() -> ClauseElement:
+    return (
+        update(T)
+        .where(
+            T.c.id == bindparam("id"),
+            T.c.claimed_by == bindparam("token"),
+            T.c.status == TaskStatus.RUNNING.value,
+        )
+        .values(lease_until_ms=bindparam("lease"), updated_at_ms=bindparam("now"))
+    )
+
+
+def _distinct_ids(outcomes: list[Outcome]) -> Iterator[list[Outcome]]:
+    """`outcomes` in groups where no task id appears twice, in order: the same task can end twice
+    in one batch (a run whose claim was lost, and its run under a new claim), and one CASE on
+    the id can only name one of its tokens."""
+    while outcomes:
+        seen: set[int] = set()
+        group: list[Outcome] = []
+        later: list[Outcome] = []
+        for o in outcomes:
+            (later if o.task_id in seen else group).append(o)
+            seen.add(o.task_id)
+        yield group
+        outcomes = later
 
 
 class ClaimQueries(Ledger):
@@ -24,31 +137,27 @@ class ClaimQueries(Ledger):
 
         Only rows that are pending and due are taken, so a stale event for a task rescheduled to
         later does nothing, and of several listeners racing for a row exactly one gets it.
+        Returns every row held under `token`, so a claim repeated after a lost COMMIT finds the
+        rows the first one took: `token` names one claim, and a repeat passes the same times.
         """
         if not keys:
             return []
         with self._tx() as conn:
-            conn.execute(
-                update(T)
-                .where(
-                    T.c.task_key.in_(list(keys)),
-                    T.c.status == TaskStatus.PENDING.value,
-                    T.c.due_at_ms <= now_ms,
+            for part in _lists(keys):
+                self._prepare(_claim_update, len(part)).run(
+                    conn,
+                    {
+                        **dict(zip(_KEY, part, strict=False)),
+                        "now": now_ms,
+                        "token": token,
+                        "lease": lease_until_ms,
+                    },
                 )
-                .values(
-                    status=TaskStatus.RUNNING.value,
-                    claimed_by=token,
-                    lease_until_ms=lease_until_ms,
-                    attempts=T.c.attempts + 1,
-                    started_at_ms=now_ms,
-                    finished_at_ms=None,
-                    updated_at_ms=now_ms,
-                )
-            )
-            rows = conn.execute(
-                select(T).where(T.c.claimed_by == token, T.c.status == TaskStatus.RUNNING.value)
-            ).all()
-        return [_row(r) for r in rows]
+            rows = self._prepare(_claimed_rows).run(conn, {"token": token}).all()
+        return [
+            claimed_row_from_db(r, token=token, now_ms=now_ms, lease_until_ms=lease_until_ms)
+            for r in rows
+        ]
 
     @retried_once
     def record(self, outcomes: Sequence[Outcome], now_ms: int) -> int:
@@ -58,32 +167,23 @@ class ClaimQueries(Ledger):
         """
         if not outcomes:
             return 0
-        done: dict[str, list[int]] = {}
+        done: list[Outcome] = []
         others: list[Outcome] = []
         for o in outcomes:
             if o.status is TaskStatus.DONE and o.last_error is None:
-                done.setdefault(o.token, []).append(o.task_id)
+                done.append(o)
             else:
                 others.append(o)
         count = 0
         with self._tx() as conn:
-            # Successes, the bulk of any batch: one statement per claim batch, not one per row.
-            for token, ids in done.items():
-                count += conn.execute(
-                    update(T)
-                    .where(
-                        T.c.id.in_(ids),
-                        T.c.claimed_by == token,
-                        T.c.status == TaskStatus.RUNNING.value,
-                    )
-                    .values(
-                        status=TaskStatus.DONE.value,
-                        finished_at_ms=now_ms,
-                        last_error=None,
-                        lease_until_ms=None,
-                        updated_at_ms=now_ms,
-                    )
-                ).rowcount
+            # Successes, the bulk of any batch: one statement for all of them, whatever claims
+            # they came from.
+            for group in _distinct_ids(done):
+                for part in _lists(group):
+                    values: dict[str, Any] = {"now": now_ms}
+                    values.update(zip(_ID, [o.task_id for o in part], strict=False))
+                    values.update(zip(_TOKEN, [o.token for o in part], strict=False))
+                    count += self._prepare(_record_done, len(part)).run(conn, values).rowcount
             if others:
                 count += conn.execute(
                     self._record_one, self._record_params(others, now_ms)
@@ -150,13 +250,7 @@ class ClaimQueries(Ledger):
     def extend_lease(self, task_id: int, token: str, lease_until_ms: int, now_ms: int) -> bool:
         """Push out the lease of a claimed run that starts late; False if the claim was lost."""
         with self._tx() as conn:
-            result = conn.execute(
-                update(T)
-                .where(
-                    T.c.id == task_id,
-                    T.c.claimed_by == token,
-                    T.c.status == TaskStatus.RUNNING.value,
-                )
-                .values(lease_until_ms=lease_until_ms, updated_at_ms=now_ms)
+            result = self._prepare(_extend_lease).run(
+                conn, {"id": task_id, "token": token, "lease": lease_until_ms, "now": now_ms}
             )
         return bool(result.rowcount)

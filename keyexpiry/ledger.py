@@ -1,17 +1,19 @@
 """The base of every ledger query: one transaction per call, driver errors turned into
-StoreError (disconnected, lock timeout), and the once-more retry that is safe for all of them."""
+StoreError (disconnected, lock timeout), the once-more retry that is safe for all of them, and
+statements compiled once per store for the hot paths."""
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine
-from sqlalchemy.engine import Dialect
+from sqlalchemy import ClauseElement, Connection, CursorResult, Dialect, Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from keyexpiry.errors import StoreError
 from keyexpiry.settings import mask_url
@@ -60,6 +62,53 @@ def retried_once(method: Callable[..., R]) -> Callable[..., R]:
     return wrapper
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A statement compiled once for a dialect and run as its SQL text.
+
+    Executing a Core statement costs SQLAlchemy a cache key, a compiled-cache lookup, parameter
+    construction (and an IN list's expansion) on every call: on the claimer and the recorder,
+    which run transactions of a few rows many times a second, that fixed cost was most of their
+    CPU. Here it is paid once; each call only orders its values and hands them to the driver
+    through `exec_driver_sql`, which keeps SQLAlchemy's error wrapping and the invalidation of a
+    dead connection (so `Ledger._tx` and `retried_once` see the same errors as before).
+    """
+
+    sql: str
+    order: tuple[str, ...] | None
+    """Parameter names in placeholder order for a positional driver (SQLite); None for a named
+    one (PyMySQL)."""
+    constants: Mapping[str, Any]
+    """Values the statement bound itself (literals such as a status)."""
+
+    @classmethod
+    def compile(cls, statement: ClauseElement, dialect: Dialect) -> Prepared:
+        """Compile `statement`: every value a call supplies is a `bindparam` without a value."""
+        compiled = statement.compile(dialect=dialect)
+        if not isinstance(compiled, SQLCompiler):
+            raise TypeError(f"not a SQL statement: {statement!r}")
+        supplied = {name for name, bind in compiled.binds.items() if bind.required}
+        for name, bind in compiled.binds.items():
+            # The driver gets each value as it is: a type that converts values on the way in
+            # would be skipped here, so none may appear.
+            if bind.type.dialect_impl(dialect).bind_processor(dialect) is not None:
+                raise TypeError(f"parameter {name!r} needs conversion; not preparable")
+        constants = {
+            name: value
+            for name, value in compiled.construct_params(dict.fromkeys(supplied)).items()
+            if name not in supplied
+        }
+        order = None if compiled.positiontup is None else tuple(compiled.positiontup)
+        return cls(compiled.string, order, constants)
+
+    def run(self, conn: Connection, values: Mapping[str, Any]) -> CursorResult[Any]:
+        """Execute with `values` for the statement's bind parameters."""
+        params = {**self.constants, **values}
+        if self.order is None:
+            return conn.exec_driver_sql(self.sql, params)
+        return conn.exec_driver_sql(self.sql, tuple([params[name] for name in self.order]))
+
+
 class Ledger:
     """An engine on `time_limit_task` and the transaction every query runs in."""
 
@@ -73,6 +122,16 @@ class Ledger:
         self._autocommit = autocommit_engine(engine) if pymysql else None
         self._url = mask_url(engine.url.render_as_string(hide_password=True))
         self._schema_lock = threading.Lock()
+        self._prepared: dict[Hashable, Prepared] = {}
+
+    def _prepare(self, build: Callable[..., ClauseElement], *args: Hashable) -> Prepared:
+        """`build(*args)` compiled for this engine, once: later calls find it by (build, args).
+        Threads racing on a new one both compile it; either result is the same."""
+        key = (build, args)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            prepared = self._prepared[key] = Prepared.compile(build(*args), self.engine.dialect)
+        return prepared
 
     def _literal(self, dialect: Dialect) -> LiteralUpsert:
         # Built on first use, from a connected dialect: the upsert's form depends on the server.

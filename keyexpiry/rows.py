@@ -137,6 +137,50 @@ def _schedule(r: Any) -> tuple[float, ...] | None:
 def row_from_db(r: Any) -> TaskRow:
     """A TaskRow from a result row; a row written outside keyexpiry never makes this raise
     (what cannot run is kept in `problem`)."""
+    return _task_row(
+        r,
+        status=TaskStatus(r.status),
+        updated_at_ms=r.updated_at_ms,
+        started_at_ms=r.started_at_ms,
+        finished_at_ms=r.finished_at_ms,
+        claimed_by=r.claimed_by,
+        lease_until_ms=r.lease_until_ms,
+    )
+
+
+CLAIM_SETS = frozenset(
+    {"status", "updated_at_ms", "started_at_ms", "finished_at_ms", "claimed_by", "lease_until_ms"}
+)
+"""The columns a claim writes with values its caller knows (not `attempts`, which it adds to):
+read back right after the claim, they need not be selected (each column of a result costs the
+pure-Python driver a field descriptor to parse, on every query)."""
+
+
+def claimed_row_from_db(r: Any, *, token: str, now_ms: int, lease_until_ms: int) -> TaskRow:
+    """A TaskRow from a row the claim under `token` at `now_ms` has just set running, read
+    without the columns in `CLAIM_SETS`: they hold what that claim wrote. A token names one
+    claim, so every row held under it was taken with the same times."""
+    return _task_row(
+        r,
+        status=TaskStatus.RUNNING,
+        updated_at_ms=now_ms,
+        started_at_ms=now_ms,
+        finished_at_ms=None,
+        claimed_by=token,
+        lease_until_ms=lease_until_ms,
+    )
+
+
+def _task_row(
+    r: Any,
+    *,
+    status: TaskStatus,
+    updated_at_ms: int,
+    started_at_ms: int | None,
+    finished_at_ms: int | None,
+    claimed_by: str | None,
+    lease_until_ms: int | None,
+) -> TaskRow:
     args, problem = _args(r.args)
     return TaskRow(
         id=r.id,
@@ -144,16 +188,16 @@ def row_from_db(r: Any) -> TaskRow:
         class_name=r.class_name,
         method=r.method,
         args=args,
-        status=TaskStatus(r.status),
+        status=status,
         attempts=r.attempts,
         retry_schedule_s=_schedule(r),
         due_at_ms=r.due_at_ms,
         created_at_ms=r.created_at_ms,
-        updated_at_ms=r.updated_at_ms,
-        started_at_ms=r.started_at_ms,
-        finished_at_ms=r.finished_at_ms,
-        claimed_by=r.claimed_by,
-        lease_until_ms=r.lease_until_ms,
+        updated_at_ms=updated_at_ms,
+        started_at_ms=started_at_ms,
+        finished_at_ms=finished_at_ms,
+        claimed_by=claimed_by,
+        lease_until_ms=lease_until_ms,
         last_error=r.last_error,
         problem=problem,
     )

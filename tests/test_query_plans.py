@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import event, insert, text
 
 from keyexpiry.rows import TaskStatus
-from keyexpiry.store import Store, T, make_engine
+from keyexpiry.store import Outcome, Store, T, make_engine
 
 NOW = 1_900_000_000_000
 FINISHED = 2_000_000
@@ -54,6 +54,23 @@ def _fill(store: Store) -> None:
         conn.execute(text("ANALYZE TABLE time_limit_task"))
 
 
+def _claim_and_record(store: Store) -> None:
+    """The recorder's statements: the successes of two claims and a failure, one batch."""
+    rows = [
+        row
+        for i, key in enumerate(["Probe@record@60", "Probe@record@61", "Probe@record@62"])
+        for row in store.claim([key], now_ms=NOW + 100, lease_until_ms=NOW + 200, token=f"x:{i}")
+    ]
+    assert len(rows) == 3
+    outcomes = [
+        Outcome(r.id, r.key, r.claimed_by or "", TaskStatus.DONE, NOW, r.due_at_ms, None)
+        for r in rows
+    ]
+    dead = rows[2]
+    outcomes[2] = Outcome(dead.id, dead.key, "x:2", TaskStatus.DEAD, NOW, dead.due_at_ms, "e")
+    assert store.record(outcomes, NOW + 100) == 3
+
+
 def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
     store = Store(make_engine(mysql_url))
     store.create_schema()
@@ -71,6 +88,8 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
         "claim": lambda: store.claim(
             ["Probe@record@30", "Done@m@5"], now_ms=NOW, lease_until_ms=NOW + 1, token="x:1"
         ),
+        "record": lambda: _claim_and_record(store),
+        "extend_lease": lambda: store.extend_lease(1, "x:1", NOW + 5, NOW),
         "get_many": lambda: store.get_many(["Probe@record@40", "Done@m@7"]),
         "upcoming": lambda: store.upcoming(after_ms=NOW, upto_ms=NOW + 60_000, limit=1000),
         "overdue": lambda: store.overdue(now_ms=NOW + 100, limit=1000),
