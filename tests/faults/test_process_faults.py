@@ -501,7 +501,13 @@ def test_listener_stopped_while_100k_tasks_expire_catches_up(
         signal_group(proc, signal.SIGCONT)
         verdict.check(c, keys, since_ms=since_ms, calls=RunsFile(runs), timeout_s=240)
         assert proc.poll() is None, log.read_text()[-3000:]
-        assert "re-established after a dropped connection" in log.read_text()
+        # The gap was noticed: redis-py re-subscribed on its own (its connect callback), or the
+        # read failed and the listener subscribed again itself; either way it reconciled.
+        text = log.read_text()
+        assert (
+            "re-established after a dropped connection" in text
+            or "subscribed to __keyevent@0__:expired (reconnect)" in text
+        ), text[-3000:]
 
 
 def _none_left(c: Client, keys: list[str]) -> bool:
