@@ -11,7 +11,7 @@ import pytest
 
 from keyexpiry import Client, Listener, Settings
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.store import TaskRow, TaskStatus
+from keyexpiry.store import Store, TaskRow, TaskStatus, make_engine
 from tests import sample_tasks
 
 FAST = {
@@ -51,6 +51,15 @@ class Running:
         self.listener.stop()
         self.thread.join(timeout=30)
         assert not self.thread.is_alive(), "listener did not stop"
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    """A ledger (SQLite and MariaDB) with its tables, without Redis."""
+    s = Store(make_engine(db_url))
+    s.create_schema()
+    yield s
+    s.engine.dispose()
 
 
 @pytest.fixture

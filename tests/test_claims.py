@@ -4,7 +4,6 @@ successes of many claims (on SQLite and MariaDB)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,17 +12,9 @@ from sqlalchemy.dialects import sqlite
 
 from keyexpiry.claims import _MAX_LIST, _lists, _size
 from keyexpiry.ledger import Prepared
-from keyexpiry.store import NewTask, Outcome, Store, T, TaskStatus, make_engine
+from keyexpiry.store import NewTask, Outcome, Store, T, TaskStatus
 
 NOW = 1_700_000_000_000
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = Store(make_engine(db_url))
-    s.create_schema()
-    yield s
-    s.engine.dispose()
 
 
 def new(key: str, due: int = NOW, schedule: tuple[float, ...] | None = None) -> NewTask:

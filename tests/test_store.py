@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +14,6 @@ from keyexpiry.errors import StoreError
 from keyexpiry.store import NewTask, Outcome, Store, TaskStatus, make_engine
 
 NOW = 1_700_000_000_000
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = Store(make_engine(db_url))
-    s.create_schema()
-    yield s
-    s.engine.dispose()
 
 
 def new(key: str, due: int = NOW) -> NewTask:
