@@ -61,12 +61,14 @@ def test_creating_again_reschedules_instead_of_running_early(
     client: Client, settings: Settings, start_listener: StartListener
 ) -> None:
     start_listener(settings)
-    key = client.create("Probe.record", "moved", ttl_ms=100)
-    again = client.create("Probe.record", "moved", ttl_ms=1200)
+    # A second apart: a run claimed before the second create commits would be allowed (and
+    # run once more after it); on a loaded CI machine 100 ms was not always enough.
+    key = client.create("Probe.record", "moved", ttl_ms=1000)
+    again = client.create("Probe.record", "moved", ttl_ms=2000)
     assert again == key
     assert client.store.counts() == {"pending": 1}
     ttl = client.ttl_ms("Probe.record", "moved")
-    assert ttl is not None and 900 < ttl <= 1250  # our clock may lead Redis's by a hair
+    assert ttl is not None and 1000 < ttl <= 2050  # our clock may lead Redis's by a hair
     row = wait_status(client, key, TaskStatus.DONE)
     assert row.started_at_ms is not None and row.started_at_ms >= row.due_at_ms
     assert sample_tasks.CALLS[key] == 1
