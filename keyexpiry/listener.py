@@ -109,6 +109,7 @@ class Listener:
                 rt.redis,
                 subscribed_node=lambda: self.subscription.node,
                 on_switch=self.subscription.master_switched,
+                on_settled=lambda: self.request_reconcile("master switch settled"),
             )
 
     # --- run ----------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from redis.connection import AbstractConnection, Connection, ConnectionPool, SSL
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
+from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import ConfigError, RedisConfigError
 from keyexpiry.redis_server import notification_flags
 from keyexpiry.settings import mask_url
@@ -35,6 +36,11 @@ SCHEMES = ("redis+sentinel", "rediss+sentinel")
 DEFAULT_SENTINEL_PORT = 26379
 WATCH_INTERVAL_S = 0.5
 """How often a listener asks the sentinels where the master is (see `MasterWatch`)."""
+POOL_RECHECK_S = 1.0
+"""How often a command pool asks again, at the next connection it hands out (`FollowingPool`)."""
+SETTLE_S = 3.0
+"""After a switch, when a listener reconciles once more: by then every pool has asked again, so
+no client writes to the former master any longer (see `MasterWatch`)."""
 _SENTINEL_TIMEOUT_S = 1.0
 """Connect and read timeout towards one sentinel: a dead one is skipped for the next quickly."""
 _REPLICA_TIMEOUT_S = 2.0
@@ -170,8 +176,37 @@ def master_client(url: str, options: Mapping[str, Any]) -> redis.Redis:
     if parsed.tls:
         sentinel_kwargs["ssl"] = kwargs["ssl"] = True
     sentinel = Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinel.master_for(parsed.service, **kwargs)  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        parsed.service, connection_pool_class=FollowingPool, **kwargs
+    )
     return client
+
+
+class FollowingPool(SentinelConnectionPool):
+    """redis-py's Sentinel pool, asking the sentinels again at most every `POOL_RECHECK_S`
+    when it hands out a connection.
+
+    redis-py asks only when it opens a connection; one kept open to a master that lost the role
+    while alive (`SENTINEL FAILOVER`, a partition) takes writes until the sentinels demote it,
+    seconds later, and those writes vanish when it resyncs as a replica. Asking again drops the
+    idle connections to it (redis-py's own `get_master_address` does that on a change), so a
+    client stops writing there within a second of the switch.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self._next_check_s = 0.0
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        """A connection to the master (the sentinels asked again if the last answer is old)."""
+        now_s = monotonic_s()
+        if now_s >= self._next_check_s:
+            self._next_check_s = now_s + POOL_RECHECK_S
+            try:
+                self.get_master_address()  # type: ignore[no-untyped-call]
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                pass  # no master named now: the connection's own connect fails and says so
+        return super().get_connection(*args, **kwargs)
 
 
 def sentinel_pool(client: redis.Redis) -> SentinelConnectionPool | None:
@@ -283,6 +318,10 @@ class MasterWatch:
     noticed), costs one small command per interval, and finds a switch at most `interval_s`
     after it, well inside the seconds a failover itself takes (down-after-milliseconds, the
     vote, the promotion).
+
+    `SETTLE_S` after a switch it calls `on_settled` (the listener reconciles again): a client
+    may have set keys on the former master until its pool asked the sentinels again, and those
+    keys are gone from the new one.
     """
 
     def __init__(
@@ -291,11 +330,14 @@ class MasterWatch:
         *,
         subscribed_node: Callable[[], Address | None],
         on_switch: Callable[[], None],
+        on_settled: Callable[[], None] = lambda: None,
         interval_s: float = WATCH_INTERVAL_S,
     ) -> None:
         self._client = client
         self._subscribed_node = subscribed_node
         self._on_switch = on_switch
+        self._on_settled = on_settled
+        self._settle_at_s: float | None = None
         self.interval_s = interval_s
         self.master: Address | None = None
         """The master the sentinels named at the last poll that got an answer."""
@@ -313,10 +355,14 @@ class MasterWatch:
                 logger.warning("no sentinel names a master now ({}); asking again", exc)
             return None
         self._unknown = False
+        if self._settle_at_s is not None and monotonic_s() >= self._settle_at_s:
+            self._settle_at_s = None
+            self._on_settled()
         node = self._subscribed_node()
         if address != self.master:
             if self.master is not None:
                 self.switches += 1
+                self._settle_at_s = monotonic_s() + SETTLE_S
                 logger.warning(
                     "the sentinels name a new master {}:{} (was {}:{}): moving the subscription",
                     *address,
