@@ -92,3 +92,21 @@ def test_only_sentinel_schemes_are_sentinel_urls() -> None:
     assert not is_sentinel_url(None)
     with pytest.raises(ConfigError, match="not a Sentinel URL"):
         parse_sentinel_url("redis://h:6379/0")
+
+
+def test_the_sentinel_compose_file_names_its_own_sentinels() -> None:
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    compose = yaml.safe_load((root / "deploy" / "sentinel" / "compose.yaml").read_text())
+    services = compose["services"]
+    url = services["listener"]["environment"]["KEYEXPIRY_REDIS_URL"]
+    parsed = parse_sentinel_url(url)
+    assert {host for host, _ in parsed.sentinels} == {"sentinel-1", "sentinel-2", "sentinel-3"}
+    for host, port in parsed.sentinels:
+        script = services[host]["command"][-1]
+        assert f"sentinel monitor {parsed.service} redis-a 6379 2" in script
+        assert f"--port {port}" in script
+    for node in ("redis-a", "redis-b"):  # a promoted replica must announce expired keys too
+        command = services[node]["command"]
+        assert "E" in command[command.index("--notify-keyspace-events") + 1]
