@@ -166,10 +166,6 @@ class Subscription:
         if eviction:
             logger.warning(eviction)
         if self._sentinel:
-            # A failover promotes a replica: it must announce expired keys before it is one.
-            for finding in prepare_replicas(client, configure=settings.configure_redis):
-                if finding.status != "ok":
-                    logger.warning("{}: {}", finding.name, finding.detail)
             # Never reuse a connection made before: a PubSub re-dials the node it had.
             self.rt.reset_subscriber()
         self.rt.clock.sync()
@@ -198,6 +194,20 @@ class Subscription:
             logger.warning("Redis serves this listener again (was: {})", health.problem)
             health.problem = None
         self._request_reconcile(reason)
+        if self._sentinel:
+            # After subscribing: an unreachable replica must not delay following the master.
+            self._prepare_replicas()
+
+    def _prepare_replicas(self) -> None:
+        """A failover promotes a replica: it must announce expired keys before it is one."""
+        try:
+            findings = prepare_replicas(self.rt.redis, configure=self.rt.settings.configure_redis)
+        except CONNECTION_ERRORS as exc:
+            logger.warning("cannot ask the sentinels for the replicas: {}", exc)
+            return
+        for finding in findings:
+            if finding.status != "ok":
+                logger.warning("{}: {}", finding.name, finding.detail)
 
     def step(self, timeout_s: float) -> int:
         """Handle the messages that arrive within `timeout_s`; return how many were read."""

@@ -66,13 +66,21 @@ def test_a_replica_without_notifications_is_configured_with_configure_redis(
     replica.config_set("notify-keyspace-events", "")
     try:
         start_listener(make_settings(sentinel_group.url(), sqlite_url, tmp_path / "plain"))
-        warned = [line for line in log_lines if f"replica {LOOPBACK}:" in line]
-        assert warned and warned[0].startswith("WARNING") and "failover" in warned[0]
+        name = f"replica {LOOPBACK}:{sentinel_group.replica.port}"
+
+        def warned() -> list[str]:
+            return [line for line in log_lines if name in line]
+
+        wait_until(lambda: bool(warned()), 10, message="no warning about the replica")
+        assert warned()[0].startswith("WARNING") and "failover" in warned()[0]
         assert replica.config_get("notify-keyspace-events")["notify-keyspace-events"] == ""
         cfg = make_settings(sentinel_group.url(), sqlite_url, tmp_path, configure_redis=True)
         start_listener(cfg)
-        flags = replica.config_get("notify-keyspace-events")["notify-keyspace-events"]
-        assert set("Exe") <= set(str(flags))
+
+        def flags() -> str:
+            return str(replica.config_get("notify-keyspace-events")["notify-keyspace-events"])
+
+        wait_until(lambda: set("Exe") <= set(flags()), 10, message="replica not configured")
     finally:
         replica.config_set("notify-keyspace-events", "Ex")
         replica.close()

@@ -11,6 +11,7 @@ from keyexpiry import Settings
 from keyexpiry.errors import ConfigError
 from keyexpiry.sentinel import SentinelURL, is_sentinel_url, parse_sentinel_url
 from keyexpiry.settings import mask_url
+from tests.test_deploy import load_yaml
 
 
 def test_a_full_url_is_parsed() -> None:
@@ -95,10 +96,7 @@ def test_only_sentinel_schemes_are_sentinel_urls() -> None:
 
 
 def test_the_sentinel_compose_file_names_its_own_sentinels() -> None:
-    import yaml
-
-    root = Path(__file__).resolve().parents[1]
-    compose = yaml.safe_load((root / "deploy" / "sentinel" / "compose.yaml").read_text())
+    compose = load_yaml("sentinel/compose.yaml")
     services = compose["services"]
     url = services["listener"]["environment"]["KEYEXPIRY_REDIS_URL"]
     parsed = parse_sentinel_url(url)

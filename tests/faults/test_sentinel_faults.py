@@ -157,5 +157,7 @@ def test_tasks_created_during_a_failover(
         before = len(creator.created)
         wait_until(lambda: len(creator.created) >= before + 50, 10)
         creator.stop()
+        assert creator.refused, "no create met the failover: the scenario did not happen"
         assert all("recorded in the ledger" in e for e in creator.errors), creator.errors[:3]
         verdict.check(c, [*creator.created, *creator.refused], timeout_s=30)
+    print(f"{len(creator.created)} creates returned, {len(creator.refused)} raised")
