@@ -279,7 +279,10 @@ def prepare_replicas(client: redis.Redis, *, configure: bool) -> list[NodeFindin
                 else NodeFinding(address, "ok", "expired events on: a failover to it keeps them")
             )
         except RedisConfigError as exc:
-            findings.append(NodeFinding(address, "fail", f"{exc} (a failover to it stops events)"))
+            reason = str(exc).removeprefix(f"{where} ")  # the finding's name says where
+            findings.append(
+                NodeFinding(address, "fail", f"{reason} (a failover to it stops events)")
+            )
         except (redis.RedisError, OSError) as exc:
             findings.append(NodeFinding(address, "warn", f"not reachable from here: {exc}"))
         finally:
