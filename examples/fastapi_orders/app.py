@@ -54,6 +54,15 @@ class Stock(BaseModel):
     available: int = Field(ge=0)
 
 
+def keyexpiry_client(request: Request) -> Client:
+    """The app's keyexpiry client, opened at start-up."""
+    ke: Client = request.app.state.ke
+    return ke
+
+
+Ke = Annotated[Client, Depends(keyexpiry_client)]
+
+
 def create_app(
     settings: Settings | None = None, *, payment_window_s: float | None = None
 ) -> FastAPI:
@@ -75,12 +84,6 @@ def create_app(
             ke.close()
 
     app = FastAPI(title="shop", lifespan=lifespan)
-
-    def keyexpiry(request: Request) -> Client:
-        ke: Client = request.app.state.ke
-        return ke
-
-    Ke = Annotated[Client, Depends(keyexpiry)]
 
     # Plain `def` endpoints: FastAPI runs them on its thread pool, where blocking SQL and
     # Redis calls do not hold up the event loop.
