@@ -90,14 +90,16 @@ def create_app(
     @app.post("/orders", status_code=201)
     def create_order(body: NewOrder, ke: Ke) -> Order:
         with ke.store.engine.begin() as conn:
-            order_id = conn.execute(
+            inserted = conn.execute(
                 insert(orders).values(
                     sku=body.sku,
                     quantity=body.quantity,
                     status="unpaid",
                     created_at_ms=ke.clock.now_ms(),
                 )
-            ).inserted_primary_key[0]
+            ).inserted_primary_key
+            assert inserted is not None  # a single-row INSERT always has one
+            order_id = int(inserted[0])
             # In this transaction: the task exists exactly when the order does. Its key is set
             # when the transaction commits; on any error below, neither is left behind.
             ke.create(PaymentWindow.close_unpaid, order_id, ttl_s=window_s, tx=conn)
