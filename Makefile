@@ -36,13 +36,13 @@ servers:
 	  redis-server redis-tools mariadb-server mariadb-client faketime chromium; }
 
 lint: $(STAMP)
-	$(BIN)/ruff check keyexpiry tasks tests
-	$(BIN)/ruff format --check keyexpiry tasks tests
+	$(BIN)/ruff check keyexpiry tasks tests examples
+	$(BIN)/ruff format --check keyexpiry tasks tests examples
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff format keyexpiry tasks tests
-	$(BIN)/ruff check --fix keyexpiry tasks tests
+	$(BIN)/ruff format keyexpiry tasks tests examples
+	$(BIN)/ruff check --fix keyexpiry tasks tests examples
 
 ## test: the whole suite against real servers (installs what it needs)
 test: $(STAMP) servers lint
