@@ -14,19 +14,21 @@ import uuid
 from collections.abc import Sequence
 
 from loguru import logger
-from sqlalchemy import and_, func, inspect, or_, select, update
+from sqlalchemy import Connection, and_, func, inspect, or_, select, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.claims import ClaimQueries
 from keyexpiry.errors import StoreError
 from keyexpiry.heartbeats import HeartbeatQueries
 from keyexpiry.ledger import retried_once
 from keyexpiry.lookups import LookupQueries
-from keyexpiry.migrations import add_missing_columns
+from keyexpiry.migrations import BUILD_ON_START_MAX_ROWS, add_missing_columns, add_missing_indexes
 from keyexpiry.retention import RetentionQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus, args_json, schedule_json
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.scans import ScanQueries
-from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task
+from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task, upsert_statement
+from keyexpiry.transactions import database_identity
 
 # Statements whose values are written into them: no `%` in them is a placeholder for PyMySQL.
 _NO_PARAMETERS = {"no_parameters": True}
@@ -54,9 +56,14 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
 
     # --- schema -------------------------------------------------------------------------------
     @retried_once
-    def create_schema(self) -> None:
-        """Create the tables and indexes if they do not exist; add columns a table from an older
-        keyexpiry lacks (`keyexpiry.migrations`). Idempotent; rows are never rewritten."""
+    def create_schema(self, *, all_indexes: bool = False) -> list[str]:
+        """Create the tables and indexes if they do not exist; add columns and indexes a table
+        from an older keyexpiry lacks (`keyexpiry.migrations`). Idempotent; rows are never
+        rewritten.
+
+        A missing index of a big table is built only with `all_indexes` (`keyexpiry init-db`):
+        a client or listener start logs it and goes on. Returns the indexes so left unbuilt.
+        """
         for attempt in range(5):
             try:
                 with self._schema_lock, self._tx() as conn:
@@ -64,20 +71,36 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
                 with self._schema_lock, self._tx() as conn:
                     for name in add_missing_columns(conn):
                         logger.info("ledger upgraded: added column {}", name)
-                return
+                max_rows = None if all_indexes else BUILD_ON_START_MAX_ROWS
+                with self._schema_lock, self._tx() as conn:
+                    built, deferred = add_missing_indexes(conn, max_rows=max_rows)
+                for name in built:
+                    logger.info("ledger upgraded: built index {}", name)
+                if deferred:
+                    logger.warning(
+                        "ledger lacks index(es) {} on a big table; queries that need them are "
+                        "slow until `keyexpiry init-db` builds them (online on MySQL/MariaDB)",
+                        ", ".join(deferred),
+                    )
+                return deferred
             except StoreError as exc:
                 # Two processes starting on a new SQLite file race to create it (or to switch
                 # it to WAL): whoever lost finds the table there, or tries again.
                 # Or both add the same new column: the loser's next attempt finds it there.
+                # Or both build the same index ("Duplicate key name" on MySQL/MariaDB).
                 racing = any(
                     sign in str(exc).lower()
-                    for sign in ("already exists", "database is locked", "duplicate column")
+                    for sign in (
+                        "already exists",
+                        "database is locked",
+                        "duplicate column",
+                        "duplicate key name",
+                    )
                 )
                 if not racing or attempt == 4:
                     raise
-                if "already exists" in str(exc) and self.table_exists():
-                    return
                 time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     @retried_once
     def ping(self) -> None:
@@ -142,6 +165,31 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
             "last_error": None,
         }
 
+    def upsert_pending_in(self, conn: Connection, tasks: Sequence[NewTask], now_ms: int) -> None:
+        """`upsert_pending` on the caller's connection, in its transaction (not retried: a
+        statement that fails leaves the caller's transaction to the caller)."""
+        rows = [self._bound_row(t, now_ms) for t in tasks]
+        same = conn.dialect.name == self.engine.dialect.name
+        statement = self._upsert if same else upsert_statement(conn.dialect.name)
+        try:
+            for start in range(0, len(rows), 5000):
+                conn.execute(statement, rows[start : start + 5000])
+        except SQLAlchemyError as exc:
+            raise self._store_error(exc) from exc
+
+    def cancel_in(self, conn: Connection, keys: Sequence[str], now_ms: int) -> list[str]:
+        """`cancel` on the caller's connection, in its transaction."""
+        try:
+            return self._cancel_on(conn, keys, now_ms, f"cancel:{uuid.uuid4().hex}")
+        except SQLAlchemyError as exc:
+            raise self._store_error(exc) from exc
+
+    @retried_once
+    def identity(self) -> tuple[str, ...]:
+        """What names the ledger's database (`transactions.database_identity`)."""
+        with self._tx() as conn:
+            return database_identity(conn)
+
     def cancel(self, keys: Sequence[str], now_ms: int) -> list[str]:
         """Cancel those of `keys` that are pending; return the keys actually cancelled."""
         if not keys:
@@ -153,20 +201,26 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
     @retried_once
     def _cancel(self, keys: Sequence[str], now_ms: int, token: str) -> list[str]:
         with self._tx() as conn:
-            conn.execute(
-                update(T)
-                .where(T.c.task_key.in_(list(keys)), T.c.status == TaskStatus.PENDING.value)
-                .values(
-                    status=TaskStatus.CANCELLED.value,
-                    updated_at_ms=now_ms,
-                    finished_at_ms=now_ms,
-                    claimed_by=token,
-                )
+            return self._cancel_on(conn, keys, now_ms, token)
+
+    @staticmethod
+    def _cancel_on(conn: Connection, keys: Sequence[str], now_ms: int, token: str) -> list[str]:
+        if not keys:
+            return []
+        conn.execute(
+            update(T)
+            .where(T.c.task_key.in_(list(keys)), T.c.status == TaskStatus.PENDING.value)
+            .values(
+                status=TaskStatus.CANCELLED.value,
+                updated_at_ms=now_ms,
+                finished_at_ms=now_ms,
+                claimed_by=token,
             )
-            got = conn.execute(
-                select(T.c.task_key).where(T.c.claimed_by == token, T.c.task_key.in_(list(keys)))
-            )
-            return [r[0] for r in got]
+        )
+        got = conn.execute(
+            select(T.c.task_key).where(T.c.claimed_by == token, T.c.task_key.in_(list(keys)))
+        )
+        return [r[0] for r in got]
 
     def retry(self, keys: Sequence[str], *, due_at_ms: int, now_ms: int) -> list[str]:
         """Requeue those of `keys` that are dead or failed and waiting for their next attempt:
