@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import inspect
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -71,9 +70,6 @@ def test_examples_change_business_data_once_and_tolerate_reruns(
 
 # --- examples/fastapi_orders: an order and its timeout task in one transaction ------------------
 
-TX_MERGED = "tx" in inspect.signature(Client.create).parameters
-needs_tx = pytest.mark.skipif(not TX_MERGED, reason="Client.create(..., tx=) is not merged yet")
-
 
 @pytest.fixture
 def shop(
@@ -100,7 +96,6 @@ def _order_status(http: TestClient, order_id: int, status: str) -> None:
     )
 
 
-@needs_tx
 def test_fastapi_shop_closes_unpaid_orders_and_cancels_paid_ones(
     shop: tuple[TestClient, Client],
 ) -> None:
@@ -128,7 +123,6 @@ def test_fastapi_shop_closes_unpaid_orders_and_cancels_paid_ones(
     assert http.post("/orders/999999/pay").status_code == 404
 
 
-@needs_tx
 def test_fastapi_shop_failing_request_leaves_neither_order_nor_task(
     shop: tuple[TestClient, Client],
 ) -> None:
