@@ -13,6 +13,7 @@ import json
 import re
 import secrets
 import shlex
+import shutil
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from decimal import Decimal
@@ -366,3 +367,41 @@ def test_a_producer_dying_between_row_and_key(
     assert client.store.get(key_only) is None and sample_tasks.CALLS[key_only] == 0
     # Its event came, and found no row.
     wait_until(lambda: client.redis.exists(key_only) == 0, 10, message="key never expired")
+
+
+_JAVA_MAIN = """
+public class Escape {
+%s
+    public static void main(String[] args) throws Exception {
+        java.io.BufferedReader in = new java.io.BufferedReader(new java.io.InputStreamReader(
+            System.in, java.nio.charset.StandardCharsets.US_ASCII));
+        for (String hex; (hex = in.readLine()) != null; ) {
+            byte[] utf8 = java.util.HexFormat.of().parseHex(hex);
+            String arg = new String(utf8, java.nio.charset.StandardCharsets.UTF_8);
+            System.out.println(escapeArg(arg));
+        }
+    }
+}
+"""
+
+
+def test_the_java_snippet_escapes_as_keyexpiry_does(tmp_path: Path) -> None:
+    java = shutil.which("java")
+    if java is None:
+        pytest.skip("no java on PATH (the page's Java snippet is checked where there is one)")
+    (snippet,) = re.findall(r"^```java\n(.*?)^```", DOC.read_text(encoding="utf-8"), re.M | re.S)
+    source = tmp_path / "Escape.java"
+    source.write_text(_JAVA_MAIN % snippet, encoding="utf-8")
+    # Every byte value's character, the page's examples, and astral and combining characters.
+    args = [chr(c) for c in range(256)] + [arg for arg, _ in EXAMPLES if arg]
+    args += ["e\u0301", "\U0001f680 x", "a\u2028b"]
+    done = subprocess.run(
+        [java, str(source)],
+        input="\n".join(a.encode("utf-8").hex() for a in args) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [escape_arg(a) for a in args]
