@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import event, insert, text
 
+from keyexpiry.bench.ledger import QUERIES
 from keyexpiry.rows import TaskStatus
 from keyexpiry.store import Outcome, Store, T, make_engine
 
@@ -112,6 +113,8 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
         "count_dead": lambda: store.count_dead(class_name="Probe", since_ms=NOW - 1),
         "dead_page": lambda: store.dead_page(after_id=0, limit=500, class_name="Probe"),
     }
+    # The ledger benchmark (`keyexpiry bench --scenario ledger`) times the same list on 10 M rows.
+    assert tuple(reads) == QUERIES
     # Pages and lists ordered by due time read that order off the index: a filesort there
     # would sort every pending row for each page of 1,000.
     unsorted = {

@@ -234,6 +234,8 @@ class ListenerProcess(MeasuredProcess):
     cpu_cores: float | None = None
     """A CPU quota (cores) for this listener alone (`cpuquota`); None: unlimited."""
     _quota: CpuQuota | None = field(default=None, init=False)
+    http: str = ""
+    """Serve /metrics here (`--http`) when set."""
     starts_path: Path = field(
         default_factory=lambda: Path(tempfile.mkstemp(prefix="ke-starts-", suffix=".txt")[1])
     )
@@ -278,6 +280,7 @@ class ListenerProcess(MeasuredProcess):
             "KEYEXPIRY_DRIVER": "true" if self.driver else "false",
             "KEYEXPIRY_SENTINEL_COUNT": "0",
             "KEYEXPIRY_LOG_LEVEL": "WARNING",
+            **({"KEYEXPIRY_HTTP": self.http} if self.http else {}),
         }
 
     def wait_subscribed(
@@ -302,11 +305,23 @@ def count_status(client: Client, status: TaskStatus) -> int:
         )
 
 
-def wait_done(client: Client, expected: int, cap_s: float) -> float:
-    """Wait until `expected` rows are done or `cap_s` passes; return seconds waited."""
+def wait_done(client: Client, expected: int, cap_s: float, key_like: str | None = None) -> float:
+    """Wait until `expected` rows (whose key matches `key_like`, when given) are done or `cap_s`
+    passes; return seconds waited."""
     start = time.monotonic()
     while time.monotonic() - start < cap_s:
-        if count_status(client, TaskStatus.DONE) >= expected:
+        if key_like is None:
+            done = count_status(client, TaskStatus.DONE)
+        else:
+            with client.store.engine.connect() as conn:
+                done = int(
+                    conn.execute(
+                        select(func.count()).where(
+                            T.c.status == TaskStatus.DONE.value, T.c.task_key.like(key_like)
+                        )
+                    ).scalar_one()
+                )
+        if done >= expected:
             break
         time.sleep(0.25)
     return time.monotonic() - start
