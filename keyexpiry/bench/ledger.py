@@ -47,6 +47,8 @@ QUERIES = (
     "expired_leases",
     "count_pending",
     "pending_page",
+    "pending_keys_page",
+    "pending_keys_page due soon",
     "runs_of a listener that ran 2 M tasks",
     "cancel",
     "list --status",
@@ -247,6 +249,10 @@ def query_times(client: Client, shape: LedgerShape) -> dict[str, dict[str, float
         "expired_leases": lambda: store.expired_leases(now),
         "count_pending": store.count_pending,
         "pending_page": lambda: store.pending_page(after=(middle, 0), limit=1000),
+        "pending_keys_page": lambda: store.pending_keys_page(after=(middle, ""), limit=500),
+        "pending_keys_page due soon": lambda: store.pending_keys_page(
+            upto_ms=now + 300_000, limit=500
+        ),
         "runs_of a listener that ran 2 M tasks": lambda: store.runs_of("gone:1:abc"),
         "cancel": lambda: store.cancel([f"{prefix}Bench@other@{shape.pending}"], now),
         "list --status": lambda: store.list_tasks(TaskStatus.PENDING, 50),
