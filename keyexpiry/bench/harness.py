@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -378,3 +379,27 @@ def analyze(client: Client) -> None:
     if client.store.engine.dialect.name != "sqlite":
         with client.store.engine.begin() as conn:
             conn.execute(text("ANALYZE TABLE time_limit_task"))
+
+
+def _reconciliations(port: int) -> float:
+    """keyexpiry_reconciliations_total on a listener's /metrics (0 while it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            body = resp.read().decode()
+    except OSError:
+        return 0.0
+    for line in body.splitlines():
+        if line.startswith("keyexpiry_reconciliations_total"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def wait_reconciled(port: int, cap_s: float) -> float:
+    """Seconds until the listener serving /metrics on `port` has ended a full reconciliation
+    (its start-up pass over every pending row); NaN past `cap_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < cap_s:
+        if _reconciliations(port) >= 1:
+            return round(time.monotonic() - start, 1)
+        time.sleep(0.25)
+    return float("nan")

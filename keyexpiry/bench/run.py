@@ -41,6 +41,8 @@ def _short(r: dict[str, Any]) -> str:
         "single_per_s",
         "bulk_per_s",
         "redis_bytes_per_task",
+        "settled_late_p99_ms",
+        "full_pass_s",
     )
     return ", ".join(
         f"{k}={r[k]:.0f}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r
