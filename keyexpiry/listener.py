@@ -86,6 +86,7 @@ class Listener:
             self_check=lambda now_s: self._self_check(now_s),
             stop=self._stop,
             errors=self.thread_errors,
+            backlog=self.dispatcher.backlog,
         )
         self.subscription = Subscription(
             rt,

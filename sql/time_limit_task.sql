@@ -5,6 +5,12 @@
 -- Times are epoch milliseconds on Redis's clock (the one clock keyexpiry uses for due times).
 -- task_key is pure printable ASCII (arguments are percent-escaped), so ascii_bin gives a
 -- case-sensitive unique key that fits InnoDB's index size limit at 512 bytes.
+--
+-- Upgrading a table created before the last three indexes (keyexpiry init-db does this, online):
+--   ALTER TABLE time_limit_task
+--     ADD INDEX ix_time_limit_task_status_due_key (status, due_at_ms, task_key, attempts),
+--     ADD INDEX ix_time_limit_task_status_attempts (status, attempts, due_at_ms),
+--     ADD INDEX ix_time_limit_task_status_finished (status, finished_at_ms, class_name);
 CREATE TABLE IF NOT EXISTS time_limit_task (
     id               BIGINT       NOT NULL AUTO_INCREMENT,
     task_key         VARCHAR(512) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
@@ -27,5 +33,11 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     -- the listener claims by key; reconciliation scans pending by due time and running by lease
     INDEX ix_time_limit_task_status_due (status, due_at_ms),
     INDEX ix_time_limit_task_status_lease (status, lease_until_ms),
-    INDEX ix_time_limit_task_claimed_by (claimed_by)
+    INDEX ix_time_limit_task_claimed_by (claimed_by),
+    -- reconciliation's walk over pending keys reads this index alone (no row lookups)
+    INDEX ix_time_limit_task_status_due_key (status, due_at_ms, task_key, attempts),
+    -- the dashboard's retrying list (pending rows that failed at least once)
+    INDEX ix_time_limit_task_status_attempts (status, attempts, due_at_ms),
+    -- retention and the dead-task counts: finished rows by finish time and class
+    INDEX ix_time_limit_task_status_finished (status, finished_at_ms, class_name)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;

@@ -9,12 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keyexpiry.bench import ledger as ledger_bench
 from keyexpiry.bench import listeners as listeners_bench
 from keyexpiry.bench import peers as peer_bench
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
-SCENARIOS = ("steady", "sparse", "burst", "throughput", "create", "listeners")
+SCENARIOS = ("steady", "sparse", "burst", "throughput", "create", "listeners", "ledger")
 
 
 def _runs(label: str, runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -40,6 +41,8 @@ def _short(r: dict[str, Any]) -> str:
         "single_per_s",
         "bulk_per_s",
         "redis_bytes_per_task",
+        "settled_late_p99_ms",
+        "full_pass_s",
     )
     return ", ".join(
         f"{k}={r[k]:.0f}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r
@@ -88,6 +91,13 @@ def run(
                 res = listeners_bench.run(
                     srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
                 )
+            elif name == "ledger":
+                rows = 1_000_000 if quick else 10_000_000
+                label = f"rows={rows}"
+                res[label] = _runs(
+                    label, runs, functools.partial(ledger_bench.ledger, srv, backend, rows=rows)
+                )
+                print(ledger_bench.format_queries(res[label]["runs"][-1]), flush=True)
             elif name == "create":
                 res["default"] = _runs(
                     "create",
