@@ -11,7 +11,7 @@ from keyexpiry import current, exposed, task
 
 CALLS: Counter[str] = Counter()
 """How many times each key's handler was entered."""
-CANCELLED: list[str] = []
+cancelled: list[str] = []
 """Keys whose coroutine saw CancelledError."""
 SEEN: dict[str, tuple[object, ...]] = {}
 """What `AsyncProbe.context` read of `current()`, by key."""
@@ -28,7 +28,7 @@ def reset() -> None:
     global _active, peak
     with _lock:
         CALLS.clear()
-        CANCELLED.clear()
+        cancelled.clear()
         SEEN.clear()
         SPANS.clear()
         _active = peak = 0
@@ -64,7 +64,7 @@ class AsyncProbe:
             try:
                 await asyncio.sleep(30)
             except asyncio.CancelledError:
-                CANCELLED.append(key)
+                cancelled.append(key)
                 raise
 
     @exposed(timeout_s=60)
@@ -75,7 +75,7 @@ class AsyncProbe:
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
-            CANCELLED.append(key)
+            cancelled.append(key)
             raise
 
     @exposed

@@ -56,7 +56,7 @@ def test_a_coroutine_past_its_timeout_is_cancelled_and_retried(
     row = wait_status(client, key, TaskStatus.DONE)
     assert row.attempts == 2 and async_tasks.CALLS[key] == 2
     # The coroutine itself saw the cancellation (a thread would have been abandoned instead).
-    assert async_tasks.CANCELLED == [key]
+    assert async_tasks.cancelled == [key]
     stats = running.listener.dispatcher.stats
     assert stats.timed_out == 1
     # No worker thread was replaced: a coroutine holds none.
@@ -66,16 +66,16 @@ def test_a_coroutine_past_its_timeout_is_cancelled_and_retried(
 def test_many_async_tasks_due_at_once_run_concurrently(
     client: Client, settings: Settings, start_listener: StartListener
 ) -> None:
-    # Two worker threads: run on them, 100 naps of 0.2 s would take 10 s.
+    # Two worker threads: run on them, 100 naps of 0.5 s would take 25 s (50 s one by one).
     start_listener(settings.replace(concurrency=2))
     keys = client.create_many(
-        TaskRequest(async_tasks.AsyncProbe.nap, (i, 200), ttl_ms=300) for i in range(100)
+        TaskRequest(async_tasks.AsyncProbe.nap, (i, 500), ttl_ms=300) for i in range(100)
     )
-    wait_until(lambda: len(async_tasks.SPANS) == 100, 15, interval_s=0.01)
+    wait_until(lambda: len(async_tasks.SPANS) == 100, 20, interval_s=0.01)
     first_start = min(s for s, _ in async_tasks.SPANS)
     last_end = max(e for _, e in async_tasks.SPANS)
-    assert last_end - first_start < 3.0, f"took {last_end - first_start:.2f} s"
-    assert async_tasks.peak >= 50
+    assert last_end - first_start < 5.0, f"took {last_end - first_start:.2f} s"
+    assert async_tasks.peak >= 40
     for key in (keys[0], keys[-1]):
         wait_status(client, key, TaskStatus.DONE)
 
@@ -114,7 +114,7 @@ def test_stop_cancels_a_coroutine_still_running_and_leaves_it_to_its_lease(
     started = time.monotonic()
     running.stop()
     assert time.monotonic() - started < 5
-    assert async_tasks.CANCELLED == [key]
+    assert async_tasks.cancelled == [key]
     row = client.store.get(key)
     # Not recorded as failed: as for a thread still running at shutdown, its lease decides.
     assert row is not None and row.status is TaskStatus.RUNNING and row.last_error is None
