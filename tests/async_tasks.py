@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 from keyexpiry import current, exposed, task
 
@@ -85,6 +86,11 @@ class AsyncProbe:
         after = current()
         in_thread = await asyncio.to_thread(lambda: current().key)
         SEEN[before.key] = (before.key, after.key, in_thread, before.attempt, before.due_at_ms)
+
+    @exposed(retry_schedule_s=[])
+    def sync_returning_a_coroutine(self, name: str) -> Any:
+        """A plain method that forgot `async`: its coroutine would never run."""
+        return asyncio.sleep(0)
 
     @exposed(timeout_s=10)
     async def nap(self, i: int, ms: int) -> None:

@@ -120,6 +120,15 @@ def test_stop_cancels_a_coroutine_still_running_and_leaves_it_to_its_lease(
     assert row is not None and row.status is TaskStatus.RUNNING and row.last_error is None
 
 
+def test_a_plain_method_returning_a_coroutine_fails_with_a_clear_error(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    start_listener(settings)
+    key = client.create("AsyncProbe.sync_returning_a_coroutine", "x", ttl_ms=20)
+    row = wait_status(client, key, TaskStatus.DEAD)
+    assert row.last_error is not None and "declare it `async def`" in row.last_error
+
+
 def test_a_generator_method_is_refused_at_registration() -> None:
     class Gen:
         @exposed

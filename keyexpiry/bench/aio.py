@@ -35,8 +35,9 @@ _DAY_MS = 86_400_000
 
 
 def native_drivers(backend: str) -> list[str]:
-    """The async MySQL drivers installed (none for SQLite: the prototype is MySQL's upsert)."""
-    if backend != "mariadb":
+    """The async MySQL drivers installed (none for SQLite: the prototype is MySQL's upsert;
+    none without greenlet, which SQLAlchemy's asyncio extension needs)."""
+    if backend != "mariadb" or importlib.util.find_spec("greenlet") is None:
         return []
     return [d for d in NATIVE_DRIVERS if importlib.util.find_spec(d) is not None]
 
