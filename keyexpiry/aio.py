@@ -24,9 +24,10 @@ from keyexpiry.settings import Settings
 P = ParamSpec("P")
 R = TypeVar("R")
 
-DEFAULT_THREADS = 8
-"""Threads per `AsyncClient`: below the ledger's pool of 10 connections, so a call never waits
-for one (more threads measured no faster on MariaDB; docs/ASYNC.md)."""
+DEFAULT_THREADS = 4
+"""Threads per `AsyncClient`: the fastest of 4, 8 and 16 in `bench --scenario aio` on MariaDB (2
+cores), and the shortest loop gaps (the loop's thread shares the GIL with them). A ledger across
+a network, where each call waits longer, may gain from more (`threads=`)."""
 
 
 def _in_thread(

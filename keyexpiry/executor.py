@@ -3,7 +3,6 @@ their timeout, and each ended run becomes an outcome (done, retry at a time, or 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 import traceback
@@ -171,7 +170,14 @@ class Executor:
             self.finish(run, ended(self.rt, run, TaskStatus.DEAD, f"not runnable: {exc}"))
             return None
         ctx = TaskContext(row.key, row.attempts, row.due_at_ms, self.rt.store.engine, started_ms)
-        return functools.partial(run.spec.bind(), *args), ctx
+        spec = run.spec
+
+        def call() -> Any:
+            # The instance is made inside the call: a constructor that raises is the handler's
+            # failure, retried like any other.
+            return spec.bind()(*args)
+
+        return call, ctx
 
     def settle(self, run: ClaimedRun, result: object, error: BaseException | None) -> Outcome:
         """What an ended handler call becomes, the same for sync and async handlers: returned

@@ -120,6 +120,22 @@ def test_stop_cancels_a_coroutine_still_running_and_leaves_it_to_its_lease(
     assert row is not None and row.status is TaskStatus.RUNNING and row.last_error is None
 
 
+def test_stop_gives_back_runs_still_waiting_for_a_coroutine_slot(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    running = start_listener(settings.replace(async_concurrency=1, shutdown_timeout_s=0.3))
+    first = client.create("AsyncProbe.long", "first", ttl_ms=20)
+    wait_until(lambda: async_tasks.CALLS[first] == 1, 5)
+    second = client.create("AsyncProbe.long", "second", ttl_ms=20)
+    # Claimed, and waiting: the one slot is taken.
+    wait_until(lambda: running.listener.dispatcher.stats.claimed == 2, 5)
+    running.stop()
+    assert async_tasks.CALLS[second] == 0
+    row = client.store.get(second)
+    # Released, not left to its lease: pending again, the attempt not counted.
+    assert row is not None and row.status is TaskStatus.PENDING and row.attempts == 0
+
+
 def test_a_plain_method_returning_a_coroutine_fails_with_a_clear_error(
     client: Client, settings: Settings, start_listener: StartListener
 ) -> None:
