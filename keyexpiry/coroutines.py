@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from keyexpiry import threads
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.inflight import ClaimedRun
 
@@ -81,11 +82,6 @@ class CoroutineRunner:
             self._waiting.clear()
         return waiting
 
-    def running(self) -> int:
-        """Coroutines holding a slot."""
-        with self._lock:
-            return len(self._futures)
-
     def close(self) -> None:
         """Cancel the coroutines still running (their leases expire and reconciliation runs them
         again, as for a hung thread at shutdown) and stop the loop."""
@@ -138,8 +134,10 @@ class CoroutineRunner:
                 loop.call_soon(ready.set)
                 loop.run_forever()
 
-            self._thread = threading.Thread(target=serve, name="keyexpiry-aio", daemon=True)
-            self._thread.start()
+            executor = self._executor
+            self._thread = threads.spawn(
+                "aio", serve, stopped=executor.stopped, errors=executor.errors
+            )
             ready.wait(5)
             self._io = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="keyexpiry-aio-io")
             self._loop = loop
@@ -157,10 +155,8 @@ class CoroutineRunner:
             call, ctx = prepared
             result, error = await _await_handler(call, ctx)
             await loop.run_in_executor(io, _settle_and_finish, executor, run, result, error)
-        except asyncio.CancelledError:
-            # The watchdog (its timeout outcome is queued) or the listener's stop (the lease
-            # decides): nothing to record here.
-            raise
+        # CancelledError (the watchdog, whose timeout outcome is queued, or the listener's stop,
+        # where the lease decides) passes through: nothing to record here.
         except Exception as exc:
             await loop.run_in_executor(io, executor.run_broke, run, exc)
         finally:
