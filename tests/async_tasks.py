@@ -16,6 +16,8 @@ cancelled: list[str] = []
 """Keys whose coroutine saw CancelledError."""
 SEEN: dict[str, tuple[object, ...]] = {}
 """What `AsyncProbe.context` read of `current()`, by key."""
+EVENTS: list[tuple[str, float]] = []
+"""What `AsyncProbe.stubborn` did, when (monotonic s)."""
 SPANS: list[tuple[float, float]] = []
 """(start, end) monotonic seconds of each `AsyncProbe.nap`."""
 _lock = threading.Lock()
@@ -32,6 +34,7 @@ def reset() -> None:
         cancelled.clear()
         SEEN.clear()
         SPANS.clear()
+        EVENTS.clear()
         _active = peak = 0
 
 
@@ -67,6 +70,18 @@ class AsyncProbe:
             except asyncio.CancelledError:
                 cancelled.append(key)
                 raise
+
+    @exposed(timeout_s=0.3, retry_schedule_s=[0.05])
+    async def stubborn(self, name: str) -> None:
+        """Its first attempt swallows the cancellation and runs on for another 0.7 s."""
+        attempt = current().attempt
+        EVENTS.append((f"start {attempt}", time.monotonic()))
+        if attempt == 1:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.7)
+            EVENTS.append(("end 1", time.monotonic()))
 
     @exposed(timeout_s=60)
     async def long(self, name: str) -> None:

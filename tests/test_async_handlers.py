@@ -63,6 +63,21 @@ def test_a_coroutine_past_its_timeout_is_cancelled_and_retried(
     assert len(running.listener.dispatcher.executor.threads) == 1
 
 
+def test_a_coroutine_that_swallows_its_cancellation_gives_up_its_slot_and_result(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    start_listener(settings.replace(async_concurrency=1))
+    key = client.create("AsyncProbe.stubborn", "s", ttl_ms=20)
+    row = wait_status(client, key, TaskStatus.DONE)
+    assert row.attempts == 2
+    wait_until(lambda: len(async_tasks.EVENTS) == 3, 5)
+    when = dict(async_tasks.EVENTS)
+    # The retry ran in the one slot while the first attempt was still going: the timed-out
+    # coroutine no longer counted, and its late return changed nothing (the row stays done).
+    assert when["start 2"] < when["end 1"]
+    assert wait_status(client, key, TaskStatus.DONE).attempts == 2
+
+
 def test_many_async_tasks_due_at_once_run_concurrently(
     client: Client, settings: Settings, start_listener: StartListener
 ) -> None:
