@@ -157,7 +157,12 @@ def listen(
     ctx: typer.Context,
     tasks: str = TasksOpt,
     concurrency: int = typer.Option(
-        None, envvar="KEYEXPIRY_CONCURRENCY", help="Handlers run at once."
+        None, envvar="KEYEXPIRY_CONCURRENCY", help="Handlers run at once (worker threads)."
+    ),
+    async_concurrency: int = typer.Option(
+        None,
+        envvar="KEYEXPIRY_ASYNC_CONCURRENCY",
+        help="async def handlers run at once (coroutines on the listener's event loop).",
     ),
     configure_redis: bool = typer.Option(
         False, "--configure-redis", help="Turn on notify-keyspace-events Ex if it is off."
@@ -177,6 +182,7 @@ def listen(
         ctx,
         tasks=_tasks(tasks),
         concurrency=concurrency,
+        async_concurrency=async_concurrency,
         configure_redis=configure_redis or None,
         http=http,
     )
@@ -584,7 +590,7 @@ def bench(
     scenario: list[str] = typer.Option(
         None,
         "--scenario",
-        help="steady, sparse, burst, throughput, create, listeners, ledger (default: all).",
+        help="steady, sparse, burst, throughput, create, listeners, ledger, aio (default: all).",
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
     backend: str = typer.Option("mariadb", "--backend", help="mariadb or sqlite."),

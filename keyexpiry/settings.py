@@ -66,6 +66,9 @@ class Settings:
     tasks: tuple[str, ...] = ()
     key_prefix: str = ""
     concurrency: int = 8
+    """Worker threads: sync handlers run at once."""
+    async_concurrency: int = 100
+    """Coroutines of `async def` handlers run at once (on the listener's event loop)."""
     handler_timeout_s: float = 60.0
     lease_grace_s: float = 30.0
     retry_schedule_s: tuple[float, ...] = DEFAULT_RETRY_SCHEDULE_S
@@ -180,6 +183,7 @@ class Settings:
 
 _RANGES: dict[str, tuple[float, float]] = {
     "concurrency": (1, 1024),
+    "async_concurrency": (1, 100_000),
     "handler_timeout_s": (0, limits.MAX_DELAY_S),
     "lease_grace_s": (0, limits.DAY_S),
     "sentinel_count": (0, 100),
@@ -202,7 +206,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "wake_ahead_s": (0, 7 * limits.DAY_S),
 }
 """Every numeric setting and its accepted range (finite, inclusive)."""
-_WHOLE = ("concurrency", "sentinel_count", "claim_batch", "driver_max_rows")
+_WHOLE = ("concurrency", "async_concurrency", "sentinel_count", "claim_batch", "driver_max_rows")
 _ABOVE_ZERO = (
     "handler_timeout_s", "sentinel_interval_s", "reconnect_initial_s", "reconnect_max_s",
     "canary_interval_s", "lease_check_s", "driver_window_s", "heartbeat_s", "prune_every_s",

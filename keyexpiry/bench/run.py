@@ -9,13 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keyexpiry.bench import aio as aio_bench
 from keyexpiry.bench import ledger as ledger_bench
 from keyexpiry.bench import listeners as listeners_bench
 from keyexpiry.bench import peers as peer_bench
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
-SCENARIOS = ("steady", "sparse", "burst", "throughput", "create", "listeners", "ledger")
+SCENARIOS = ("steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio")
 
 
 def _runs(label: str, runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -87,7 +88,11 @@ def run(
         for name in names:
             print(f"{name}:", flush=True)
             res: dict[str, Any] = {}
-            if name == "listeners":
+            if name == "aio":
+                res = aio_bench.run(
+                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+                )
+            elif name == "listeners":
                 res = listeners_bench.run(
                     srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
                 )
@@ -174,6 +179,8 @@ COLUMNS = (
     "single_per_s",
     "bulk_per_s",
     "redis_bytes_per_task",
+    "creates_per_s",
+    "max_tick_gap_ms",
 )
 """The figures in the table, in order; a column no row has a value for is left out."""
 
