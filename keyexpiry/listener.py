@@ -53,7 +53,11 @@ class Listener:
         self.redis, self.clock, self.owner = rt.redis, rt.clock, rt.owner
         self._stop = threading.Event()
         self.dispatcher = Dispatcher(rt)
-        self.reconciler = Reconciler(rt, submit=self.dispatcher.submit)
+        self.reconciler = Reconciler(
+            rt,
+            submit=self.dispatcher.submit,
+            mine=lambda key: self.fleet.partition.owns_key(key, rt.settings.key_prefix),
+        )
         self.driver = ExpiryDriver(rt)
         self.fleet = Fleet(
             rt,

@@ -47,14 +47,24 @@ class Reconciler:
     """Compares pending ledger rows with Redis keys and repairs the difference.
 
     `submit`, when given (inside a listener), receives overdue keys to claim directly; without it
-    (the CLI) overdue keys are re-armed so they expire at once and a listener runs them.
+    (the CLI) overdue keys are re-armed so they expire at once and a listener runs them. `mine`,
+    when given, says which keys are this listener's share: only those are submitted (a peer's
+    overdue rows are its own reconciliation's, or its successor's catch-up); lost keys of any
+    share are re-armed.
     """
 
-    def __init__(self, rt: Runtime, *, submit: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        *,
+        submit: Callable[[list[str]], None] | None = None,
+        mine: Callable[[str], bool] | None = None,
+    ) -> None:
         self.rt = rt
         self.store, self.redis, self.clock = rt.store, rt.redis, rt.clock
         self.settings, self.registry = rt.settings, rt.registry
         self.submit = submit
+        self.mine = mine
         self.rearmed_total = 0
         """Keys re-armed from the ledger since start (for metrics)."""
         self.requeued_total = 0
@@ -236,9 +246,11 @@ class Reconciler:
                     to_arm.append(row)
         if overdue:
             if self.submit is not None:
-                if not dry_run:
-                    self.submit([r.key for r in overdue])
-                    self.requeued_total += len(overdue)
+                mine = self.mine
+                keys = [r.key for r in overdue if mine is None or mine(r.key)]
+                if keys and not dry_run:
+                    self.submit(keys)
+                    self.requeued_total += len(keys)
             else:
                 to_arm.extend(overdue)
         report.rearmed += len(to_arm)
