@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import redis
+from redis.cluster import RedisCluster
 
 from keyexpiry.keys import MAX_KEY_BYTES, wake_channel
 from keyexpiry.settings import Settings
@@ -50,7 +51,9 @@ def arm_keys(
     pipe = client.pipeline(transaction=False)
     soon: list[str] = []
     future = [(k, d) for k, d in items if d > now_ms]
-    scripted = len(future) >= _SCRIPT_MIN_KEYS
+    # On a cluster a script over many keys is cross-slot: the pipeline sends each node its SETs.
+    cluster = isinstance(client, RedisCluster)
+    scripted = len(future) >= _SCRIPT_MIN_KEYS and not cluster
     for key, due_ms in items:
         if due_ms <= now_ms:
             # Already due: a plain SET, then a lookup right behind it so Redis expires it now.
@@ -69,13 +72,20 @@ def arm_keys(
             script(keys=[k for k, _ in chunk], args=[dues], client=pipe)
     channel = wake_channel(redis_db(client), settings.key_prefix)
     for start in range(0, len(soon), _WAKE_ENTRIES_PER_MESSAGE):
-        pipe.publish(channel, "\n".join(soon[start : start + _WAKE_ENTRIES_PER_MESSAGE]))
+        message = "\n".join(soon[start : start + _WAKE_ENTRIES_PER_MESSAGE])
+        if cluster:
+            # Sharded: PUBLISH would be copied over the cluster bus to every node.
+            pipe.spublish(channel, message)
+        else:
+            pipe.publish(channel, message)
     pipe.execute()
 
 
 def redis_db(client: redis.Redis) -> int:
-    """The database number the client uses (for the keyevent and wake channel names)."""
-    return int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
+    """The database number the client uses (for the keyevent and wake channel names); a
+    cluster client has no pool of its own and only database 0."""
+    pool = getattr(client, "connection_pool", None)
+    return 0 if pool is None else int(pool.connection_kwargs.get("db", 0) or 0)
 
 
 def parse_wake(payload: bytes | str) -> Iterator[tuple[str, int]]:

@@ -198,10 +198,19 @@ class ExpiryDriver:
             # A full read stops at its last due time, so nothing between is skipped.
             self._horizon_ms = rows[-1][1] if len(rows) == room else upto
 
+    def _pttl_each(self, keys: list[str]) -> list[int]:
+        if self.rt.cluster is None:
+            return list(self._pttls(keys=keys))
+        # Keys of many slots: a script cannot span them; the pipeline sends each node its own.
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.pttl(key)
+        return list(pipe.execute())
+
     def _look_up(self, due: list[tuple[int, str]], now_ms: int) -> None:
         for start in range(0, len(due), _LOOKUP_BATCH):
             chunk = due[start : start + _LOOKUP_BATCH]
-            results = self._pttls(keys=[key for _, key in chunk])
+            results = self._pttl_each([key for _, key in chunk])
             self.lookups += len(chunk)
             self.passes += start == 0
             again: list[tuple[int, str]] = []

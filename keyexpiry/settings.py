@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from keyexpiry import limits
+from keyexpiry.cluster import is_cluster_url, parse_cluster_url
 from keyexpiry.errors import ConfigError
 
 ENV_PREFIX = "KEYEXPIRY_"
@@ -163,6 +164,11 @@ class Settings:
                 if not scheme or (schemes and scheme not in schemes):
                     allowed = ", ".join(f"{s}://" for s in schemes or ("mysql+pymysql", "sqlite"))
                     raise ConfigError(f"{what} {mask_url(url)!r} is not a URL ({allowed})")
+        if self.redis_url and is_cluster_url(self.redis_url):
+            parse_cluster_url(self.redis_url)  # raises ConfigError naming what is wrong
+            if "{" in self.key_prefix or "}" in self.key_prefix:
+                # A hash tag in the prefix would put every task key in one slot.
+                raise ConfigError("key_prefix must not contain '{' or '}' on a Redis Cluster")
 
     @property
     def embedded_redis(self) -> bool:
