@@ -225,7 +225,7 @@ class LocalCluster:
     def reshard(self, source: ClusterNode, target: ClusterNode, slots: int) -> None:
         """Move `slots` slots (and their keys) from `source` to `target` with `redis-cli`."""
         cli = shutil.which("redis-cli") or "redis-cli"
-        subprocess.run(
+        done = subprocess.run(
             [
                 cli, "--cluster", "reshard", target.address,
                 "--cluster-from", source.node_id(),
@@ -233,10 +233,14 @@ class LocalCluster:
                 "--cluster-slots", str(slots),
                 "--cluster-yes", "--cluster-pipeline", "1000",
             ],
-            check=True,
             capture_output=True,
+            text=True,
             timeout=300,
+            check=False,
         )  # fmt: skip
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+            raise ServerError(f"redis-cli --cluster reshard failed:\n{tail}")
 
     def add_primary(self, timeout_s: float = 30.0) -> ClusterNode:
         """Start a new empty node and join it as a primary (no slots yet)."""
@@ -251,6 +255,8 @@ class LocalCluster:
             interval_s=0.02,
             message="the new node did not join",
         )
+        # redis-cli refuses to reshard until every node agrees on the configuration.
+        self.wait_healthy(timeout_s)
         return node
 
     # --- cluster commands ---------------------------------------------------------------------
@@ -292,6 +298,10 @@ class LocalCluster:
         except redis.RedisError:
             return "down"
         return role.decode() if isinstance(role, bytes) else str(role)
+
+    def slots_of(self, node: ClusterNode) -> list[tuple[int, int]]:
+        """The slot ranges `node` serves now."""
+        return self._slots(node)
 
     def _slots(self, node: ClusterNode) -> list[tuple[int, int]]:
         ranges = []
