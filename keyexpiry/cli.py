@@ -583,7 +583,7 @@ def bench(
     scenario: list[str] = typer.Option(
         None,
         "--scenario",
-        help="steady, sparse, burst, throughput, create, listeners (default: all).",
+        help="steady, sparse, burst, throughput, create, listeners, cluster (default: all).",
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
     backend: str = typer.Option("mariadb", "--backend", help="mariadb or sqlite."),

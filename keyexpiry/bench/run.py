@@ -9,12 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keyexpiry.bench import cluster as cluster_bench
 from keyexpiry.bench import listeners as listeners_bench
 from keyexpiry.bench import peers as peer_bench
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
-SCENARIOS = ("steady", "sparse", "burst", "throughput", "create", "listeners")
+SCENARIOS = ("steady", "sparse", "burst", "throughput", "create", "listeners", "cluster")
 
 
 def _runs(label: str, runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -86,6 +87,10 @@ def run(
             res: dict[str, Any] = {}
             if name == "listeners":
                 res = listeners_bench.run(
+                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+                )
+            elif name == "cluster":
+                res = cluster_bench.run(
                     srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
                 )
             elif name == "create":

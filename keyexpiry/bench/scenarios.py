@@ -82,7 +82,7 @@ def due_wave(
             for _ in range(listeners)
         ]
         for proc in procs:
-            proc.wait_subscribed(client.redis, listeners=len(procs))
+            proc.wait_subscribed(client, listeners=len(procs))
         if listeners > 1:
             _wait_sharing(client, listeners)
         first_due = client.clock.now_ms() + int(lead_s * 1000)
