@@ -73,6 +73,14 @@ class ClusterSubscription(Subscription):
         """The primaries subscribed now."""
         return sorted(self._feeds)
 
+    def selected_sockets(self) -> set[int]:
+        """ids of the sockets the selector waits on (for tests)."""
+        return {id(key.fileobj) for key in dict(self._selector.get_map()).values()}
+
+    def current_sockets(self) -> set[int]:
+        """ids of the sockets the subscriptions read now (for tests)."""
+        return {id(getattr(f.pubsub.connection, "_sock", None)) for f in self._feeds.values()}
+
     # --- connect ------------------------------------------------------------------------------
     def connect(self) -> None:
         """Read the topology, check every node, subscribe every primary; at least one must be
@@ -157,7 +165,7 @@ class ClusterSubscription(Subscription):
         pubsub.connection.register_connect_callback(self._on_reconnect)
         feed = _Feed(address, client, pubsub, wake)
         self._feeds[address] = feed
-        self._selector.register(pubsub.connection._sock, selectors.EVENT_READ, feed)
+        self._register_sockets()
         if self.connected_once:
             self.resubscribed += 1
 
@@ -165,6 +173,9 @@ class ClusterSubscription(Subscription):
     def step(self, timeout_s: float) -> int:
         """Handle the messages that arrive within `timeout_s` on any primary; refresh the
         topology when due. Return how many messages were read."""
+        if self._gap.is_set():
+            # redis-py reconnected a node's pub/sub on a new socket: select the new ones.
+            self._register_sockets()
         self._check_gaps()
         now_s = monotonic_s()
         if now_s >= self._next_refresh_s:
@@ -240,12 +251,19 @@ class ClusterSubscription(Subscription):
         # Read the slot table again soon: a replica may be promoted in its place.
         self._next_refresh_s = min(self._next_refresh_s, monotonic_s() + 0.1)
 
+    def _register_sockets(self) -> None:
+        """A fresh selector over every feed's current socket (a reconnect replaces it, and a
+        closed socket's descriptor may be reused by another)."""
+        self._selector.close()
+        self._selector = selectors.DefaultSelector()
+        for feed in self._feeds.values():
+            sock = getattr(feed.pubsub.connection, "_sock", None)
+            if sock is not None:
+                self._selector.register(sock, selectors.EVENT_READ, feed)
+
     def _close_feed(self, feed: _Feed) -> None:
         self._feeds.pop(feed.address, None)
-        try:
-            self._selector.unregister(feed.pubsub.connection._sock)
-        except (KeyError, ValueError, AttributeError):
-            pass
+        self._register_sockets()
         try:
             if feed.pubsub.connection is not None:
                 feed.pubsub.connection.deregister_connect_callback(self._on_reconnect)

@@ -99,8 +99,7 @@ def test_tasks_spread_over_every_primary_run_exactly_once(
             n.address for n in redis_cluster.primaries()
         )
         keys = c.create_many(
-            TaskRequest("Probe.record", (f"{{same}}{i}",), ttl_ms=200 + i)
-            for i in range(300)
+            TaskRequest("Probe.record", (f"{{same}}{i}",), ttl_ms=200 + i) for i in range(300)
         )
         topology = running.listener.rt.cluster.topology()  # type: ignore[union-attr]
         per_primary = Counter(topology.owner(key_slot(k.encode())) for k in keys)
@@ -173,3 +172,35 @@ def _flags(node: ClusterNode) -> str:
         return str(client.config_get("notify-keyspace-events")["notify-keyspace-events"])
     finally:
         client.close()
+
+
+def test_a_dropped_node_subscription_is_resumed_and_heard_again(
+    cluster_url: str,
+    sqlite_url: str,
+    tmp_path: Path,
+    redis_cluster: LocalCluster,
+    start_listener: StartListener,
+) -> None:
+    """CLIENT KILL of one primary's pub/sub connection: redis-py reconnects on a new socket (or
+    the refresh subscribes again); either way that primary's events are heard afterwards."""
+    cfg = make_settings(cluster_url, sqlite_url, tmp_path)
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        node = redis_cluster.primaries()[0]
+        gaps = running.listener.gaps
+        assert int(node.command("CLIENT", "KILL", "TYPE", "pubsub")) >= 1
+        wait_until(lambda: running.listener.gaps > gaps, 10)
+        wait_until(lambda: running.listener.wait_reconciled(0.1), 10)
+        # The selector waits on the sockets the feeds read now, not on the closed one.
+        sub = running.listener.subscription
+        assert isinstance(sub, ClusterSubscription)
+        wait_until(lambda: sub.selected_sockets() == sub.current_sockets(), 5)
+        events = running.listener.events
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"resumed{i}",), ttl_ms=200) for i in range(60)
+        )
+        slots = redis_cluster.slots_of(node)
+        assert any(lo <= key_slot(k.encode()) <= hi for k in keys for lo, hi in slots)
+        for key in keys:
+            wait_status(c, key, TaskStatus.DONE, timeout_s=20)
+        assert running.listener.events - events >= len(keys)
