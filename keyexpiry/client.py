@@ -11,7 +11,7 @@ import redis
 
 from keyexpiry import limits
 from keyexpiry.errors import ArgumentError, RedisUnavailableError, UnknownTaskError
-from keyexpiry.keys import clip, format_key
+from keyexpiry.keys import braces_unescaped, clip, format_key
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
 from keyexpiry.settings import Settings
@@ -127,7 +127,9 @@ class Client:
     def cancel(self, target: Target, *args: object) -> bool:
         """Cancel a pending task; False if it was not pending (already running, done, or absent)."""
         spec = self.spec(target)
-        keys = {self.key_for(target, *args)}
+        key = self.key_for(target, *args)
+        # Before braces were escaped (a hash tag on a cluster), such a key had them literally.
+        keys = {key, braces_unescaped(key, self.settings.key_prefix)}
         # A task created before keys were canonical may still be pending under its old spelling.
         keys.add(
             format_key(

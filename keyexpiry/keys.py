@@ -136,6 +136,13 @@ def parse_key(key: str, *, prefix: str = "") -> TaskKey:
     return parsed
 
 
+def braces_unescaped(key: str, prefix: str = "") -> str:
+    """`key` as it was spelled before `{` and `}` were escaped (a task created then is still
+    pending under that key). `%7B`/`%7D` in an escaped key only ever stand for braces."""
+    rest = key[len(prefix) :].replace("%7B", "{").replace("%7D", "}")
+    return prefix + rest
+
+
 def _legacy_format(parsed: TaskKey, prefix: str) -> str:
     args = (escape_arg(a, safe=_LEGACY_SAFE) for a in parsed.args)
     return prefix + SEPARATOR.join([parsed.class_name, parsed.method, *args])
