@@ -236,3 +236,15 @@ class ClusterNodes:
         for client in self._admins.values():
             client.close()
         self._admins.clear()
+
+
+def by_node(client: RedisCluster, keys: list[str]) -> list[tuple[redis.Redis, list[int]]]:
+    """The positions of `keys` grouped by the primary serving their slot (as the client's slot
+    cache says), each with a plain client for that primary: one plain pipeline per node costs
+    the client much less than a cluster pipeline (which routes command by command)."""
+    nodes = client.nodes_manager
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    for i, key in enumerate(keys):
+        node = nodes.get_node_from_slot(key_slot(key.encode()))
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    return [(client.get_redis_connection(node), idx) for node, idx in groups.values()]

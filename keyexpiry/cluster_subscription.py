@@ -32,7 +32,12 @@ from keyexpiry.redis_server import (
     eviction_warning,
     subscribe_confirmed,
 )
-from keyexpiry.subscription import _MESSAGE_TYPES, CONNECTION_ERRORS, Subscription
+from keyexpiry.subscription import (
+    _MAX_MESSAGES_PER_STEP,
+    _MESSAGE_TYPES,
+    CONNECTION_ERRORS,
+    Subscription,
+)
 
 REFRESH_S = 1.0
 """How often the slot table is read: a new primary is subscribed within about this long of the
@@ -48,6 +53,8 @@ class _Feed:
     pubsub: Any
     wake: bool
     """Whether this primary's subscription holds the (sharded) wake channel."""
+    unread: bool = True
+    """Messages may wait in the parser's buffer (select cannot tell): read before selecting."""
 
 
 class ClusterSubscription(Subscription):
@@ -181,8 +188,9 @@ class ClusterSubscription(Subscription):
         if now_s >= self._next_refresh_s:
             self._refresh(now_s)
         feeds = list(self._feeds.values())
-        # hiredis may hold whole messages already read off a socket: select would not see them.
-        ready = [f for f in feeds if _buffered(f)]
+        # Messages already read off a socket into the parser (a drain cut short, a subscribe
+        # confirmation read with an event behind it) are not seen by select: read those first.
+        ready = [f for f in feeds if f.unread]
         if not ready:
             wait_s = max(0.0, min(timeout_s, self._next_refresh_s - monotonic_s()))
             if feeds:
@@ -195,7 +203,9 @@ class ClusterSubscription(Subscription):
                 msg = feed.pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
                 if msg is not None and msg.get("type") in _MESSAGE_TYPES:
                     self._dispatch(msg["channel"], msg["data"])
-                count += (msg is not None) + self._drain(feed.pubsub)
+                drained = self._drain(feed.pubsub)
+                feed.unread = drained >= _MAX_MESSAGES_PER_STEP
+                count += (msg is not None) + drained
             except CONNECTION_ERRORS as exc:
                 self._lose(feed, f"connection lost ({exc})")
         return count
@@ -279,13 +289,6 @@ class ClusterSubscription(Subscription):
         # The selector holds the file objects of closed sockets otherwise.
         self._selector.close()
         self._selector = selectors.DefaultSelector()
-
-
-def _buffered(feed: _Feed) -> bool:
-    try:
-        return bool(feed.pubsub.connection._parser.can_read(0))
-    except Exception:
-        return False
 
 
 def _ssubscribe_confirmed(pubsub: Any, channel: str, timeout_s: float = 10.0) -> None:
