@@ -39,7 +39,9 @@ TasksOpt = typer.Option(
 def _global(
     ctx: typer.Context,
     redis_url: str = typer.Option(
-        None, envvar="KEYEXPIRY_REDIS_URL", help="redis:// or rediss:// URL; empty: embedded."
+        None,
+        envvar="KEYEXPIRY_REDIS_URL",
+        help="redis://, rediss:// or redis+cluster://host:port,… URL; empty: embedded.",
     ),
     database_url: str = typer.Option(
         None, envvar="KEYEXPIRY_DATABASE_URL", help="SQLAlchemy URL; empty: SQLite in state dir."
