@@ -159,3 +159,31 @@ def _topology(running: Running) -> object:
     cluster = running.listener.rt.cluster
     assert cluster is not None
     return cluster.topology()
+
+
+def test_arming_and_lookups_follow_slots_the_client_has_not_seen_move(
+    cluster_factory: ClusterFactory, sqlite_url: str, tmp_path: Path
+) -> None:
+    """A client whose slot map is stale (slots moved by someone else): bulk arming and the
+    driver's lookups get MOVED from the per-node pipelines and go again through the cluster
+    pipeline, which follows the redirection."""
+    from keyexpiry.driver import ExpiryDriver
+    from keyexpiry.runtime import Runtime
+
+    cluster = cluster_factory(replicas=0)
+    rt = Runtime.open(make_settings(cluster.url(), sqlite_url, tmp_path))
+    try:
+        source, target = cluster.primaries()[:2]
+        lo, _ = cluster.slots_of(source)[0]
+        keys = [f"Probe@record@stale{i}" for i in range(20_000)]
+        moved = [k for k in keys if lo <= key_slot(k.encode()) < lo + 100]
+        assert len(moved) >= 64  # enough for the bulk (per-node) path
+        rt.redis.set(moved[0], b"")  # the client learns the map before the move
+        cluster.reshard(source, target, 100)
+        due_ms = rt.clock.now_ms() + 60_000
+        rt.arm([(k, due_ms) for k in moved])
+        assert all(int(target.command("EXISTS", k)) == 1 for k in moved)
+        pttls = ExpiryDriver(rt)._pttl_each(moved)
+        assert all(50_000 < p <= 60_000 for p in pttls)
+    finally:
+        rt.close()
