@@ -39,7 +39,9 @@ TasksOpt = typer.Option(
 def _global(
     ctx: typer.Context,
     redis_url: str = typer.Option(
-        None, envvar="KEYEXPIRY_REDIS_URL", help="redis:// or rediss:// URL; empty: embedded."
+        None,
+        envvar="KEYEXPIRY_REDIS_URL",
+        help="redis://, rediss:// or redis+cluster://host:port,… URL; empty: embedded.",
     ),
     database_url: str = typer.Option(
         None, envvar="KEYEXPIRY_DATABASE_URL", help="SQLAlchemy URL; empty: SQLite in state dir."
@@ -590,7 +592,8 @@ def bench(
     scenario: list[str] = typer.Option(
         None,
         "--scenario",
-        help="steady, sparse, burst, throughput, create, listeners, ledger, aio (default: all).",
+        help="steady, sparse, burst, throughput, create, listeners (the default: all six); "
+        "ledger, aio, cluster (only when named).",
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
     backend: str = typer.Option("mariadb", "--backend", help="mariadb or sqlite."),
@@ -606,9 +609,9 @@ def bench(
 ) -> None:
     """Benchmark against real servers started for the run (redis-server, and mariadbd for the
     mariadb backend, from the system)."""
-    from keyexpiry.bench.run import SCENARIOS, run
+    from keyexpiry.bench.run import DEFAULT_SCENARIOS, SCENARIOS, run
 
-    names = list(scenario or SCENARIOS)
+    names = list(scenario or DEFAULT_SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown or backend not in ("mariadb", "sqlite"):
         raise ConfigError(f"unknown scenario/backend: {unknown or backend}")

@@ -16,6 +16,7 @@ from typing import Any
 from loguru import logger
 
 from keyexpiry.clock import monotonic_s
+from keyexpiry.cluster_subscription import ClusterSubscription
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
 from keyexpiry.endpoints import Endpoints
@@ -92,7 +93,8 @@ class Listener:
             errors=self.thread_errors,
             backlog=self.dispatcher.backlog,
         )
-        self.subscription = Subscription(
+        kind = Subscription if rt.cluster is None else ClusterSubscription
+        self.subscription = kind(
             rt,
             self.health,
             Handlers(

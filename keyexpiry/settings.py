@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from keyexpiry import limits
+from keyexpiry.cluster import is_cluster_url, parse_cluster_url
 from keyexpiry.errors import ConfigError
 
 ENV_PREFIX = "KEYEXPIRY_"
@@ -161,11 +162,13 @@ class Settings:
         if "@" in self.key_prefix or len(self.key_prefix) > 64:
             raise ConfigError("key_prefix must not contain '@' and must be at most 64 characters")
         for url, what, schemes in (
-            (self.redis_url, "redis_url", ("redis", "rediss", "unix")),
+            (self.redis_url, "redis_url", _REDIS_SCHEMES),
             (self.database_url, "database_url", None),
         ):
             if url:
-                scheme = urlsplit(url).scheme.split("+")[0]
+                scheme = urlsplit(url).scheme
+                if not schemes:
+                    scheme = scheme.split("+")[0]  # mysql+pymysql: the driver is SQLAlchemy's
                 if not scheme or (schemes and scheme not in schemes):
                     allowed = ", ".join(f"{s}://" for s in schemes or ("mysql+pymysql", "sqlite"))
                     raise ConfigError(f"{what} {mask_url(url)!r} is not a URL ({allowed})")
@@ -174,12 +177,23 @@ class Settings:
 
                     if is_sentinel_url(url):
                         parse_sentinel_url(url)  # a malformed one fails here, with the reason
+        if self.redis_url and is_cluster_url(self.redis_url):
+            parse_cluster_url(self.redis_url)  # raises ConfigError naming what is wrong
+            if "{" in self.key_prefix or "}" in self.key_prefix:
+                # A hash tag in the prefix would put every task key in one slot.
+                raise ConfigError("key_prefix must not contain '{' or '}' on a Redis Cluster")
 
     @property
     def embedded_redis(self) -> bool:
         """Whether keyexpiry runs its own redis-server under `state_dir`."""
         return not self.redis_url
 
+
+_REDIS_SCHEMES = (
+    "redis", "rediss", "unix",
+    "redis+sentinel", "rediss+sentinel",
+    "redis+cluster", "rediss+cluster",
+)  # fmt: skip
 
 _RANGES: dict[str, tuple[float, float]] = {
     "concurrency": (1, 1024),

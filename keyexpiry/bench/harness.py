@@ -284,18 +284,27 @@ class ListenerProcess(MeasuredProcess):
             **({"KEYEXPIRY_HTTP": self.http} if self.http else {}),
         }
 
-    def wait_subscribed(
-        self, client: redis.Redis, timeout_s: float = 20, *, listeners: int = 1
-    ) -> None:
-        """Until the listeners have subscribed (their pubsub clients show up)."""
+    def wait_subscribed(self, client: Client, timeout_s: float = 20, *, listeners: int = 1) -> None:
+        """Until the listeners have subscribed (their pubsub clients show up; on a cluster,
+        on every primary)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if int(client.pubsub_numsub("__keyevent@0__:expired")[0][1]) >= listeners:
+            if subscribers(client) >= listeners:
                 time.sleep(0.3)  # let start-up reconciliation finish
                 self.mark_ready()
                 return
             time.sleep(0.02)
         raise RuntimeError("listener did not subscribe")
+
+
+def subscribers(client: Client) -> int:
+    """Subscribers of `expired`: on a cluster, the fewest any primary has."""
+    channel = "__keyevent@0__:expired"
+    cluster = client.rt.cluster
+    if cluster is None:
+        return int(client.redis.pubsub_numsub(channel)[0][1])
+    primaries = cluster.topology().primaries
+    return min(int(cluster.admin(a).pubsub_numsub(channel)[0][1]) for a in primaries)
 
 
 def count_status(client: Client, status: TaskStatus) -> int:

@@ -10,13 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from keyexpiry.bench import aio as aio_bench
+from keyexpiry.bench import cluster as cluster_bench
 from keyexpiry.bench import ledger as ledger_bench
 from keyexpiry.bench import listeners as listeners_bench
 from keyexpiry.bench import peers as peer_bench
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
-SCENARIOS = ("steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio")
+SCENARIOS = (
+    "steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio", "cluster",
+)  # fmt: skip
+DEFAULT_SCENARIOS = SCENARIOS[:6]
+"""What `keyexpiry bench` runs unnamed: the others start servers of their own (a cluster) or fill
+millions of rows, and are run by name."""
 
 
 def _runs(label: str, runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -103,6 +109,10 @@ def run(
                     label, runs, functools.partial(ledger_bench.ledger, srv, backend, rows=rows)
                 )
                 print(ledger_bench.format_queries(res[label]["runs"][-1]), flush=True)
+            elif name == "cluster":
+                res = cluster_bench.run(
+                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+                )
             elif name == "create":
                 res["default"] = _runs(
                     "create",

@@ -85,7 +85,7 @@ def due_wave(
             for i in range(listeners)
         ]
         for proc in procs:
-            proc.wait_subscribed(client.redis, listeners=len(procs))
+            proc.wait_subscribed(client, listeners=len(procs))
         settled_s = None
         if settle_port is not None:
             # The wave falls due only after the first listener's start-up reconciliation ended.
