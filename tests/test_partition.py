@@ -117,10 +117,18 @@ def test_two_listeners_split_the_keys_and_each_task_runs_once(
         if (row := client.store.get(k)) is not None and row.claimed_by
     )
     assert sum(by.values()) == 300 and min(by.values()) > 60, by  # both worked, by their share
+    # No race for the same key: each was claimed by the listener whose share it is. (A key can
+    # still be "not claimed" once by its owner: its event came a hair before this host's
+    # extrapolation of Redis's clock reached the due time, so it was re-armed and claimed.)
+    members = frozenset({one.listener.owner, two.listener.owner})
+    mine = assign(members, one.listener.owner)
+    for key in keys:
+        row = client.store.get(key)
+        owner = one if mine[bucket_of(key.encode())] else two
+        assert row is not None and (row.claimed_by or "").startswith(owner.listener.owner), row
     for r in (one, two):
-        stats = r.listener.dispatcher.stats
         assert r.listener.router.others_share > 60  # heard, and left to the other
-        assert stats.not_claimed + stats.claims_lost == 0  # no race for the same key
+        assert r.listener.dispatcher.stats.claims_lost == 0
 
 
 def test_a_silent_peer_leaves_the_share_after_three_beats_before_its_runs_are_taken() -> None:
