@@ -14,6 +14,7 @@ from keyexpiry.clock import monotonic_s
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
 from keyexpiry.inflight import ClaimedRun, DispatchStats, InFlight
+from keyexpiry.results import encode_result
 from keyexpiry.rows import Outcome, TaskStatus
 from keyexpiry.runtime import Runtime
 
@@ -25,7 +26,9 @@ _OUTCOME_NAMES = {TaskStatus.DONE: "done", TaskStatus.PENDING: "retry", TaskStat
 """An outcome's status as the `outcome` label of keyexpiry_runs_total."""
 
 
-def ended(rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None) -> Outcome:
+def ended(
+    rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None, result: str | None = None
+) -> Outcome:
     """The outcome of a run that finished for good (done or dead)."""
     return Outcome(
         task_id=run.row.id,
@@ -35,7 +38,21 @@ def ended(rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None) -
         finished_at_ms=rt.clock.now_ms(),
         due_at_ms=run.row.due_at_ms,
         last_error=error,
+        result=result,
     )
+
+
+def succeeded(rt: Runtime, run: ClaimedRun, value: object) -> Outcome:
+    """The outcome of a handler that returned `value`: done, the value kept as JSON.
+
+    A value that cannot be kept (not JSON, or over `result_max_bytes`) still leaves the task
+    done, with `last_error` saying why and no result: the handler's work is done, and running
+    it again would repeat that work only to fail the same way.
+    """
+    result, why = encode_result(value, rt.settings.result_max_bytes)
+    if why is not None:
+        logger.bind(key=run.row.key, attempt=run.row.attempts).warning("{}", why)
+    return ended(rt, run, TaskStatus.DONE, why, result)
 
 
 def failed(rt: Runtime, run: ClaimedRun, error: str, *, delay_s: float | None = None) -> Outcome:
@@ -137,7 +154,7 @@ class Executor:
             try:
                 # Every line the handler logs carries its key and attempt too.
                 with logger.contextualize(key=row.key, attempt=row.attempts):
-                    run.spec.bind()(*args)
+                    value = run.spec.bind()(*args)
             except DoNotRetry as exc:
                 outcome = ended(self.rt, run, TaskStatus.DEAD, f"DoNotRetry: {exc}")
                 log.warning("failed, not retrying: {}", exc)
@@ -148,7 +165,7 @@ class Executor:
                 outcome = failed(self.rt, run, text)
                 log.opt(exception=exc).warning("handler raised {}: {}", type(exc).__name__, exc)
             else:
-                outcome = ended(self.rt, run, TaskStatus.DONE, None)
+                outcome = succeeded(self.rt, run, value)
             finally:
                 set_current(None)
         if not self.inflight.finished(run, outcome):

@@ -5,6 +5,12 @@
 -- Times are epoch milliseconds on Redis's clock (the one clock keyexpiry uses for due times).
 -- task_key is pure printable ASCII (arguments are percent-escaped), so ascii_bin gives a
 -- case-sensitive unique key that fits InnoDB's index size limit at 512 bytes.
+--
+-- Upgrading a table created before tag and result (keyexpiry init-db does this):
+--   ALTER TABLE time_limit_task
+--       ADD COLUMN tag VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+--       ADD COLUMN result MEDIUMTEXT NULL,
+--       ADD INDEX ix_time_limit_task_tag (tag, due_at_ms);
 CREATE TABLE IF NOT EXISTS time_limit_task (
     id               BIGINT       NOT NULL AUTO_INCREMENT,
     task_key         VARCHAR(512) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
@@ -22,10 +28,14 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     claimed_by       VARCHAR(96)  NULL,                -- listener and claim batch that ran it
     lease_until_ms   BIGINT       NULL,                -- a running row past this is re-run
     last_error       MEDIUMTEXT   NULL,
+    tag              VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,  -- business key
+    result           MEDIUMTEXT   NULL,                -- the handler's return value, JSON
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key),
     -- the listener claims by key; reconciliation scans pending by due time and running by lease
     INDEX ix_time_limit_task_status_due (status, due_at_ms),
     INDEX ix_time_limit_task_status_lease (status, lease_until_ms),
-    INDEX ix_time_limit_task_claimed_by (claimed_by)
+    INDEX ix_time_limit_task_claimed_by (claimed_by),
+    -- list and cancel by tag
+    INDEX ix_time_limit_task_tag (tag, due_at_ms)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
