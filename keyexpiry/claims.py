@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import ClauseElement, Connection, Text, bindparam, case, select, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.ledger import Ledger, retried_once
 from keyexpiry.rows import (
@@ -200,19 +201,22 @@ class ClaimQueries(Ledger):
 
     @retried_once
     def record(self, outcomes: Sequence[Outcome], now_ms: int) -> int:
-        """Record finished runs in one transaction; a run whose claim was lost is skipped.
+        """Record finished runs in one transaction; a run whose claim was lost is skipped, and
+        so is one its handler's transaction recorded already (`Outcome.recorded`).
 
         Returns how many rows were updated.
         """
-        if not outcomes:
-            return 0
         done: list[Outcome] = []
         others: list[Outcome] = []
         for o in outcomes:
+            if o.recorded:
+                continue
             if o.status is TaskStatus.DONE and o.last_error is None:
                 done.append(o)
             else:
                 others.append(o)
+        if not done and not others:
+            return 0
         count = 0
         with self._tx() as conn:
             # Successes, the bulk of any batch: one statement for all of them, whatever claims
@@ -277,6 +281,20 @@ class ClaimQueries(Ledger):
             updated_at_ms=bindparam("b_now"),
         )
     )
+
+    def record_in(self, conn: Connection, outcome: Outcome, now_ms: int) -> bool:
+        """Record `outcome` in the caller's transaction on `conn` (a transactional handler's),
+        only while its claim still holds; False when it was lost (taken over, requeued,
+        rescheduled): then the caller must roll back. The row stays locked until it ends.
+
+        The claim token is what proves the claim: an expired lease nobody acted on still
+        leaves the row `running` under it, and no one else has run the task.
+        """
+        try:
+            result = conn.execute(self._record_one, self._record_params([outcome], now_ms))
+        except SQLAlchemyError as exc:
+            raise self._store_error(exc) from exc
+        return result.rowcount == 1
 
     @retried_once
     def release(self, task_ids: Sequence[int], token: str, now_ms: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import traceback
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from loguru import logger
@@ -17,6 +18,7 @@ from keyexpiry.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.results import encode_result
 from keyexpiry.rows import Outcome, TaskStatus
 from keyexpiry.runtime import Runtime
+from keyexpiry.transactional import run_in_transaction
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -149,25 +151,26 @@ class Executor:
             outcome = ended(self.rt, run, TaskStatus.DEAD, f"not runnable: {exc}")
             log.error("not runnable: {}", exc)
         else:
-            engine = self.rt.store.engine
-            set_current(TaskContext(row.key, row.attempts, row.due_at_ms, engine, started_ms))
-            try:
-                # Every line the handler logs carries its key and attempt too.
-                with logger.contextualize(key=row.key, attempt=row.attempts):
-                    value = run.spec.bind()(*args)
-            except DoNotRetry as exc:
-                outcome = ended(self.rt, run, TaskStatus.DEAD, f"DoNotRetry: {exc}")
-                log.warning("failed, not retrying: {}", exc)
-            except Retry as exc:
-                outcome = failed(self.rt, run, f"Retry: {exc}", delay_s=exc.delay_s)
-            except Exception as exc:
-                text = "".join(traceback.format_exception(exc))[-_ERROR_MAX_CHARS:]
-                outcome = failed(self.rt, run, text)
-                log.opt(exception=exc).warning("handler raised {}: {}", type(exc).__name__, exc)
+            ctx = TaskContext(
+                row.key, row.attempts, row.due_at_ms, self.rt.store.engine, started_ms
+            )
+            if run.spec.options.transactional:
+                in_tx = run_in_transaction(
+                    self.rt,
+                    run,
+                    self.inflight,
+                    lambda conn: self._call(run, args, replace(ctx, transaction=conn), log),
+                    lambda why: failed(self.rt, run, why),
+                )
+                if in_tx is None:
+                    if not self.inflight.broke(run):  # out of flight already: timed out
+                        log.warning("abandoned run returned after its timeout; rolled back")
+                        return True
+                    self._stats.claims_lost += 1
+                    return False
+                outcome = in_tx
             else:
-                outcome = succeeded(self.rt, run, value)
-            finally:
-                set_current(None)
+                outcome = self._call(run, args, ctx, log)
         if not self.inflight.finished(run, outcome):
             log.warning("abandoned run returned after its timeout; its result is discarded")
             return True
@@ -181,6 +184,29 @@ class Executor:
                 late_ms,
             )
         return False
+
+    def _call(
+        self, run: ClaimedRun, args: tuple[object, ...], ctx: TaskContext, log: Logger
+    ) -> Outcome:
+        """Call the handler with `ctx` as its `current()`; what it returned or raised, as an
+        outcome."""
+        set_current(ctx)
+        try:
+            # Every line the handler logs carries its key and attempt too.
+            with logger.contextualize(key=ctx.key, attempt=ctx.attempt):
+                value = run.spec.bind()(*args)
+        except DoNotRetry as exc:
+            log.warning("failed, not retrying: {}", exc)
+            return ended(self.rt, run, TaskStatus.DEAD, f"DoNotRetry: {exc}")
+        except Retry as exc:
+            return failed(self.rt, run, f"Retry: {exc}", delay_s=exc.delay_s)
+        except Exception as exc:
+            text = "".join(traceback.format_exception(exc))[-_ERROR_MAX_CHARS:]
+            log.opt(exception=exc).warning("handler raised {}: {}", type(exc).__name__, exc)
+            return failed(self.rt, run, text)
+        finally:
+            set_current(None)
+        return succeeded(self.rt, run, value)
 
     def _lease_covers(self, run: ClaimedRun, now_ms: int, log: Logger) -> bool:
         """Make sure the claim's lease outlasts this run; False if the claim was lost meanwhile.

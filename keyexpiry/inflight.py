@@ -37,6 +37,8 @@ class ClaimedRun:
     started_s: float | None = None
     abandoned: bool = False
     """Failed by the watchdog; whatever its thread returns later is discarded."""
+    committing: bool = False
+    """A transactional run committing its success: the watchdog leaves it be."""
 
 
 @dataclass
@@ -123,6 +125,16 @@ class InFlight:
             self.cond.notify_all()
         return True
 
+    def committing(self, run: ClaimedRun) -> bool:
+        """A transactional run is about to record and commit its success: from now on the
+        watchdog leaves it alone (its commit decides). False when the watchdog already failed
+        it: it must roll back."""
+        with self.cond:
+            if run.abandoned:
+                return False
+            run.committing = True
+        return True
+
     def broke(self, run: ClaimedRun) -> bool:
         """Something around `run` raised: take it out of flight. False when it is already out
         (failed by the watchdog, or its outcome queued before the error)."""
@@ -145,6 +157,8 @@ class InFlight:
             for run in self.running.values():
                 assert run.started_s is not None
                 deadline = run.started_s + run.timeout_s
+                if run.committing:
+                    continue
                 if deadline <= now:
                     late.append(run)
                 else:
