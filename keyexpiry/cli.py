@@ -565,7 +565,8 @@ def init_db(ctx: typer.Context) -> None:
 
     store = open_store(_settings(ctx))
     try:
-        store.create_schema()
+        # Builds every missing index, however big the table (online on MySQL/MariaDB).
+        store.create_schema(all_indexes=True)
     finally:
         store.engine.dispose()
     typer.echo("time_limit_task and keyexpiry_listener ready")

@@ -8,7 +8,9 @@ after a database outage (or this process being frozen) every heartbeat is old, a
 listener back must not take over peers that are alive but have not had their turn to beat.
 
 Each beat also reads who is live and recomputes this listener's share of the keys
-(`keyexpiry.partition`); buckets it gains had no listener, so their overdue rows are run now."""
+(`keyexpiry.partition`): a peer silent for three beats is out of the share already (its runs are
+still its own until `takeover_after_s`); buckets a listener gains had no listener, so their
+overdue rows are run now."""
 
 from __future__ import annotations
 
@@ -27,9 +29,21 @@ from keyexpiry.keys import task_class_of
 from keyexpiry.partition import BUCKETS, Partition, bucket_of
 from keyexpiry.reconcile import Reconciler
 from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
 
 # More overdue rows than this at a takeover are left to the periodic overdue repair (re-armed).
 _CATCH_UP_ROWS = 10_000
+
+
+def share_silence_s(settings: Settings) -> float:
+    """How long a listener's heartbeat may be silent before peers drop it from the share of the
+    keys: three beats (at least 2 s), at most `takeover_after_s`.
+
+    Sooner than the takeover of its runs: a wrong drop only makes two listeners try the same
+    keys for a moment (the claim still picks one), while a dead listener's share waits for
+    this long with nobody claiming it. A floor of 2 s keeps a beat delayed by a loaded machine
+    from reshuffling the share."""
+    return min(settings.takeover_after_s, max(3 * settings.heartbeat_s, 2.0))
 
 
 class Fleet:
@@ -76,7 +90,7 @@ class Fleet:
         self.rt.store.beat(row)
         self.beats += 1
         settings = self.rt.settings
-        self._share(now_ms - int(settings.takeover_after_s * 1000), now_ms)
+        self._share(now_ms - int(share_silence_s(settings) * 1000), now_ms)
         beat_s = monotonic_s()
         if self._steady_since_s is None or beat_s - self._last_beat_s > 2 * settings.heartbeat_s:
             self._steady_since_s = beat_s  # a gap (outage, freeze): start a new streak

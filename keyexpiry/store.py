@@ -21,7 +21,7 @@ from keyexpiry.errors import StoreError
 from keyexpiry.heartbeats import HeartbeatQueries
 from keyexpiry.ledger import retried_once
 from keyexpiry.lookups import LookupQueries
-from keyexpiry.migrations import add_missing_columns
+from keyexpiry.migrations import BUILD_ON_START_MAX_ROWS, add_missing_columns, add_missing_indexes
 from keyexpiry.retention import RetentionQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus, args_json, schedule_json
 from keyexpiry.rows import row_from_db as _row
@@ -54,9 +54,14 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
 
     # --- schema -------------------------------------------------------------------------------
     @retried_once
-    def create_schema(self) -> None:
-        """Create the tables and indexes if they do not exist; add columns a table from an older
-        keyexpiry lacks (`keyexpiry.migrations`). Idempotent; rows are never rewritten."""
+    def create_schema(self, *, all_indexes: bool = False) -> list[str]:
+        """Create the tables and indexes if they do not exist; add columns and indexes a table
+        from an older keyexpiry lacks (`keyexpiry.migrations`). Idempotent; rows are never
+        rewritten.
+
+        A missing index of a big table is built only with `all_indexes` (`keyexpiry init-db`):
+        a client or listener start logs it and goes on. Returns the indexes so left unbuilt.
+        """
         for attempt in range(5):
             try:
                 with self._schema_lock, self._tx() as conn:
@@ -64,20 +69,36 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
                 with self._schema_lock, self._tx() as conn:
                     for name in add_missing_columns(conn):
                         logger.info("ledger upgraded: added column {}", name)
-                return
+                max_rows = None if all_indexes else BUILD_ON_START_MAX_ROWS
+                with self._schema_lock, self._tx() as conn:
+                    built, deferred = add_missing_indexes(conn, max_rows=max_rows)
+                for name in built:
+                    logger.info("ledger upgraded: built index {}", name)
+                if deferred:
+                    logger.warning(
+                        "ledger lacks index(es) {} on a big table; queries that need them are "
+                        "slow until `keyexpiry init-db` builds them (online on MySQL/MariaDB)",
+                        ", ".join(deferred),
+                    )
+                return deferred
             except StoreError as exc:
                 # Two processes starting on a new SQLite file race to create it (or to switch
                 # it to WAL): whoever lost finds the table there, or tries again.
                 # Or both add the same new column: the loser's next attempt finds it there.
+                # Or both build the same index ("Duplicate key name" on MySQL/MariaDB).
                 racing = any(
                     sign in str(exc).lower()
-                    for sign in ("already exists", "database is locked", "duplicate column")
+                    for sign in (
+                        "already exists",
+                        "database is locked",
+                        "duplicate column",
+                        "duplicate key name",
+                    )
                 )
                 if not racing or attempt == 4:
                     raise
-                if "already exists" in str(exc) and self.table_exists():
-                    return
                 time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     @retried_once
     def ping(self) -> None:

@@ -1,13 +1,14 @@
 """`keyexpiry init-db` (Store.create_schema) upgrades a ledger made by an older keyexpiry in
-place: missing columns are added, rows are kept as they were, and a second run changes nothing."""
+place: missing columns and indexes are added, rows are kept as they were, and a second run changes
+nothing."""
 
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import BigInteger, Column, MetaData, Table, inspect, text
+from sqlalchemy import BigInteger, Column, Engine, MetaData, Table, inspect, text
 
-from keyexpiry.migrations import add_missing_columns
-from keyexpiry.store import Store, make_engine
+from keyexpiry.migrations import add_missing_columns, add_missing_indexes
+from keyexpiry.store import NewTask, Store, make_engine
 
 # keyexpiry_listener as the first release with heartbeats created it (before partitioning).
 OLD_LISTENER_DDL = """
@@ -59,5 +60,54 @@ def test_a_new_column_without_a_default_is_a_model_error(sqlite_url: str) -> Non
     try:
         with engine.begin() as conn, pytest.raises(ValueError, match="need a default"):
             add_missing_columns(conn, bad)
+    finally:
+        engine.dispose()
+
+
+def _drop_index(engine: Engine, name: str) -> None:
+    with engine.begin() as conn:
+        if engine.dialect.name == "sqlite":
+            conn.execute(text(f"DROP INDEX {name}"))
+        else:
+            conn.execute(text(f"DROP INDEX {name} ON time_limit_task"))
+
+
+def _index_names(engine: Engine) -> set[str]:
+    return {str(i["name"]) for i in inspect(engine).get_indexes("time_limit_task")}
+
+
+def test_a_missing_index_is_built_in_place_and_rows_are_kept(db_url: str) -> None:
+    engine = make_engine(db_url)
+    try:
+        store = Store(engine)
+        store.create_schema()
+        store.upsert_pending([NewTask("A@m@1", "A", "m", ("1",), 5_000)], now_ms=1_000)
+        _drop_index(engine, "ix_time_limit_task_status_lease")
+        assert "ix_time_limit_task_status_lease" not in _index_names(engine)
+        assert store.create_schema() == []
+        assert "ix_time_limit_task_status_lease" in _index_names(engine)
+        row = store.get("A@m@1")
+        assert row is not None and (row.due_at_ms, row.args) == (5_000, ("1",))
+        with engine.begin() as conn:
+            assert add_missing_indexes(conn) == ([], [])  # idempotent
+    finally:
+        engine.dispose()
+
+
+def test_on_a_big_table_only_init_db_builds_a_missing_index(db_url: str) -> None:
+    engine = make_engine(db_url)
+    try:
+        store = Store(engine)
+        store.create_schema()
+        store.upsert_pending(
+            [NewTask(f"A@m@{i}", "A", "m", (str(i),), 5_000) for i in range(3)], now_ms=1_000
+        )
+        _drop_index(engine, "ix_time_limit_task_claimed_by")
+        with engine.begin() as conn:
+            # Three rows are "big" when the limit is two: deferred, not built.
+            assert add_missing_indexes(conn, max_rows=2) == ([], ["ix_time_limit_task_claimed_by"])
+        assert "ix_time_limit_task_claimed_by" not in _index_names(engine)
+        assert store.create_schema(all_indexes=True) == []
+        assert "ix_time_limit_task_claimed_by" in _index_names(engine)
     finally:
         engine.dispose()

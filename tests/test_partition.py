@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from keyexpiry import Client, Listener, Settings, current, exposed
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
+from keyexpiry.fleet import share_silence_s
 from keyexpiry.heartbeats import ListenerRow
 from keyexpiry.partition import BUCKETS, Partition, assign, bucket_of, shares
 from keyexpiry.registry import Registry
@@ -122,12 +123,22 @@ def test_two_listeners_split_the_keys_and_each_task_runs_once(
         assert stats.not_claimed + stats.claims_lost == 0  # no race for the same key
 
 
-def test_a_dead_peers_share_waits_for_the_takeover_window_then_runs_from_the_ledger(
+def test_a_silent_peer_leaves_the_share_after_three_beats_before_its_runs_are_taken() -> None:
+    defaults = Settings()
+    assert (defaults.heartbeat_s, defaults.takeover_after_s) == (1.0, 5.0)
+    assert share_silence_s(defaults) == 3.0
+    # Never later than the takeover, never sooner than 2 s (a loaded machine's late beat).
+    assert share_silence_s(defaults.replace(heartbeat_s=2.0, takeover_after_s=5.0)) == 5.0
+    assert share_silence_s(defaults.replace(heartbeat_s=0.2, takeover_after_s=5.0)) == 2.0
+    assert share_silence_s(defaults.replace(heartbeat_s=0.2, takeover_after_s=1.0)) == 1.0
+
+
+def test_a_dead_peers_share_waits_until_it_is_silent_then_runs_from_the_ledger(
     settings: Settings, client: Client, start_listener: StartListener
 ) -> None:
     """A peer that beats but hears nothing (as if its process hung in the middle of dying): its
-    share of the keys goes unclaimed until it is silent for `takeover_after_s`; then the live
-    listener gains those buckets and claims their overdue rows from the ledger."""
+    share of the keys goes unclaimed until it is silent for three beats (`share_silence_s`);
+    then the live listener gains those buckets and claims their overdue rows from the ledger."""
     quick = settings.replace(**QUICK)
     running = start_listener(quick)
     part = running.listener.fleet.partition
