@@ -37,7 +37,10 @@ def _fill(store: Store) -> None:
              claimed_by=f"gone:1:abc:{i}")
         for i in range(20, 25)
     ]  # fmt: skip
-    rows += [_row(f"Probe@record@{i}", "pending", NOW + i) for i in range(25, 300)]
+    rows += [
+        _row(f"Probe@record@{i}", "pending", NOW + i, tag=f"order:{i % 100}")
+        for i in range(25, 300)
+    ]
     with store.engine.begin() as conn:
         conn.execute(insert(T), rows)
         conn.execute(
@@ -111,12 +114,17 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
         "search": lambda: store.search("Probe@record@1", limit=100),
         "count_dead": lambda: store.count_dead(class_name="Probe", since_ms=NOW - 1),
         "dead_page": lambda: store.dead_page(after_id=0, limit=500, class_name="Probe"),
+        # business code's reads by tag (a tag's tasks, finished ones included)
+        "list --tag": lambda: store.list_tasks(None, 50, tag="order:7"),
+        "list --tag --status": lambda: store.list_tasks(TaskStatus.PENDING, 50, tag="order:7"),
+        "cancel_tag": lambda: store.cancel_tag("order:8", NOW),
     }
     # Pages and lists ordered by due time read that order off the index: a filesort there
     # would sort every pending row for each page of 1,000.
     unsorted = {
         "upcoming", "overdue", "pending_page", "list --status", "overdue_rows", "running",
-        "dead newest", "retrying", "prune batch", "list (every status)",
+        "dead newest", "retrying", "prune batch", "list (every status)", "list --tag",
+        "list --tag --status",
     }  # fmt: skip
     # Retention walks finished rows on purpose, 1,000 at a time (LIMIT), in index order; the
     # unfiltered list reads the first 50 of each status, finished ones included.
