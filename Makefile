@@ -26,21 +26,23 @@ demo: $(STAMP)
 listen: $(STAMP)
 	$(BIN)/keyexpiry listen --tasks tasks.orders,tasks.auctions,tasks.refunds
 
-## servers: the real redis-server and MariaDB the tests start on loopback ports (and faketime, and
-## the headless Chromium the dashboard's browser test drives)
+## servers: the real redis-server and MariaDB the tests start on loopback ports (and faketime, the
+## headless Chromium the dashboard's browser test drives, and the `mariadb` and `redis-cli` clients
+## docs/PROTOCOL.md's test creates tasks with)
 servers:
 	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null && command -v faketime >/dev/null \
-	  && command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  apt-get install -y -qq redis-server mariadb-server faketime chromium; }
+	  && command -v chromium >/dev/null && command -v mariadb >/dev/null && command -v redis-cli >/dev/null \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  redis-server redis-tools mariadb-server mariadb-client faketime chromium; }
 
 lint: $(STAMP)
-	$(BIN)/ruff check keyexpiry tasks tests
-	$(BIN)/ruff format --check keyexpiry tasks tests
+	$(BIN)/ruff check keyexpiry tasks tests examples
+	$(BIN)/ruff format --check keyexpiry tasks tests examples
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff format keyexpiry tasks tests
-	$(BIN)/ruff check --fix keyexpiry tasks tests
+	$(BIN)/ruff format keyexpiry tasks tests examples
+	$(BIN)/ruff check --fix keyexpiry tasks tests examples
 
 ## test: the whole suite against real servers (installs what it needs)
 test: $(STAMP) servers lint

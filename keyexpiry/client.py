@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from sqlalchemy import Connection
 
 from keyexpiry import limits
 from keyexpiry.errors import ArgumentError, RedisUnavailableError, UnknownTaskError
@@ -18,6 +19,7 @@ from keyexpiry.runtime import Runtime
 from keyexpiry.settings import Settings
 from keyexpiry.store import NewTask, Store, TaskRow, TaskStatus
 from keyexpiry.tags import check_tag
+from keyexpiry.transactions import Tx, after_commit, check_same_database, connection_of
 
 Target = str | Callable[..., Any]
 """A task method: the exposed function itself (`OrderTimeout.close_unpaid`) or `"Class.method"`."""
@@ -57,6 +59,7 @@ class Client:
         # Shorthands: business code and the CLI read these.
         self.settings, self.registry, self.store = self.rt.settings, self.rt.registry, self.rt.store
         self.redis, self.clock = self.rt.redis, self.rt.clock
+        self._ledger_identity: tuple[str, ...] | None = None
         if ensure_schema:
             self.store.create_schema()
 
@@ -97,6 +100,7 @@ class Client:
         at: dt.datetime | None = None,
         retry_schedule_s: Sequence[float] | None = None,
         tag: str | None = None,
+        tx: Tx | None = None,
     ) -> str:
         """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
 
@@ -104,17 +108,22 @@ class Client:
         exactly one run happens at or after the new due time. A run already claimed for the old
         due time (running, or claimed just before this) still happens, unrecorded. Returns the key.
 
+
         `tag`: a business key (`"order:218"`, 1 to 128 characters) to find and cancel tasks by
         (`list(tag=)`, `cancel_tag`); a reschedule without one keeps the task's tag.
-        """
-        return self.create_many(
-            [TaskRequest(target, args, ttl_s, ttl_ms, at, retry_schedule_s, tag)]
-        )[0]
 
-    def create_many(self, requests: Iterable[TaskRequest]) -> list[str]:
+        With `tx` (a SQLAlchemy `Connection` or `Session` on the ledger's database) the row is
+        written in the caller's transaction and the key is set once that commits; a rollback
+        leaves neither (`keyexpiry.transactions`).
+        """
+        request = TaskRequest(target, args, ttl_s, ttl_ms, at, retry_schedule_s, tag)
+        return self.create_many([request], tx=tx)[0]
+
+    def create_many(self, requests: Iterable[TaskRequest], *, tx: Tx | None = None) -> list[str]:
         """Schedule many tasks with one ledger transaction and one Redis pipeline.
 
-        All arguments are checked first: one bad request means nothing is written.
+        All arguments are checked first: one bad request means nothing is written. With `tx`,
+        in the caller's transaction, as in `create`.
         """
         now_ms = self._now_ms()
         new: dict[str, NewTask] = {}
@@ -127,6 +136,11 @@ class Client:
             tag = check_tag(req.tag, ArgumentError)
             new[key] = NewTask(key, spec.class_name, spec.method, encoded, due, schedule, tag)
         tasks = list(new.values())
+        if tx is not None:
+            conn = self._join(tx)
+            self.store.upsert_pending_in(conn, tasks, now_ms)
+            after_commit(conn, self._sync_keys, created=[t.key for t in tasks])
+            return [t.key for t in tasks]
         # Row first: a row without a key is repaired by reconciliation; a key without a row
         # would never run.
         self.store.upsert_pending(tasks, now_ms)
@@ -134,8 +148,11 @@ class Client:
         return [t.key for t in tasks]
 
     # --- cancel / inspect ---------------------------------------------------------------------
-    def cancel(self, target: Target, *args: object) -> bool:
-        """Cancel a pending task; False if it was not pending (already running, done, or absent)."""
+    def cancel(self, target: Target, *args: object, tx: Tx | None = None) -> bool:
+        """Cancel a pending task; False if it was not pending (already running, done, or absent).
+
+        With `tx`, in the caller's transaction: the key is deleted once that commits, and a
+        rollback leaves the task pending."""
         spec = self.spec(target)
         keys = {self.key_for(target, *args)}
         # A task created before keys were canonical may still be pending under its old spelling.
@@ -147,10 +164,17 @@ class Client:
                 prefix=self.settings.key_prefix,
             )
         )
-        return bool(self.cancel_keys(sorted(keys)))
+        return bool(self.cancel_keys(sorted(keys), tx=tx))
 
-    def cancel_keys(self, keys: Sequence[str]) -> list[str]:
-        """Cancel those of `keys` that are pending; return the ones cancelled."""
+    def cancel_keys(self, keys: Sequence[str], *, tx: Tx | None = None) -> list[str]:
+        """Cancel those of `keys` that are pending; return the ones cancelled (with `tx`, in
+        the caller's transaction, as in `cancel`)."""
+        if tx is not None:
+            conn = self._join(tx)
+            cancelled = self.store.cancel_in(conn, keys, self._now_ms())
+            if cancelled:
+                after_commit(conn, self._sync_keys, cancelled=cancelled)
+            return cancelled
         cancelled = self.store.cancel(keys, self._now_ms())
         self._delete_keys(cancelled)
         return cancelled
@@ -259,6 +283,31 @@ class Client:
         return self.list_tasks(status, limit, tag=tag)
 
     # --- internals ----------------------------------------------------------------------------
+    def _join(self, tx: Tx) -> Connection:
+        """The connection of the caller's transaction, checked to be on the ledger's database."""
+        conn = connection_of(tx)
+        if conn.engine is not self.store.engine:
+            if self._ledger_identity is None:
+                self._ledger_identity = self.store.identity()
+            check_same_database(conn, self.store.engine, self._ledger_identity)
+        return conn
+
+    def _sync_keys(self, created: set[str], cancelled: set[str]) -> None:
+        """After the caller's commit: arm the keys whose rows are pending now, at their due
+        time, and delete those of cancelled rows that are no longer pending. What the ledger
+        holds decides, not what was written: a rolled-back SAVEPOINT may have undone it."""
+        keys = sorted(created | cancelled)
+        rows = self.store.get_many(keys)
+        pending = {k: r.due_at_ms for k, r in rows.items() if r.status is TaskStatus.PENDING}
+        gone = [k for k in cancelled if k not in pending]
+        if pending:
+            self._arm(sorted(pending.items()), self._now_ms())
+        if gone:
+            try:
+                self.redis.delete(*gone)
+            except redis.RedisError:
+                pass  # as in `cancel_keys`: an event without a pending row claims nothing
+
     def _now_ms(self) -> int:
         try:
             return self.clock.now_ms()

@@ -11,6 +11,7 @@ from sqlalchemy import text
 from keyexpiry.errors import KeyExpiryError, RedisConfigError
 from keyexpiry.redis_server import check_notifications, config_value, eviction_warning
 from keyexpiry.runtime import Runtime
+from keyexpiry.sentinel import follows_sentinel, master_address, prepare_replicas, sentinel_pool
 from keyexpiry.store import Store
 
 
@@ -27,6 +28,8 @@ def run_checks(rt: Runtime, *, fix: bool = False) -> list[Check]:
     """Check Redis and the ledger; with `fix`, turn keyspace notifications on if CONFIG allows."""
     client, store = rt.redis, rt.store
     checks: list[Check] = []
+    if follows_sentinel(client):
+        checks.extend(_sentinel_checks(client, fix=fix))
     try:
         info = client.info("server")
         checks.append(Check("redis", "ok", f"reachable, version {info.get('redis_version')}"))
@@ -65,6 +68,31 @@ def run_checks(rt: Runtime, *, fix: bool = False) -> list[Check]:
     except KeyExpiryError as exc:
         checks.append(Check("database", "fail", str(exc)))
     checks.append(_clock_check(client, store))
+    return checks
+
+
+def _sentinel_checks(client: redis.Redis, *, fix: bool) -> list[Check]:
+    """Where the sentinels say the master is, and every replica's notifications: a failover
+    promotes one, and it must announce expired keys from its first second as master."""
+    pool = sentinel_pool(client)
+    service = pool.service_name if pool is not None else "?"
+    try:
+        host, port = master_address(client)
+    except (redis.RedisError, OSError) as exc:
+        return [Check("sentinel", "fail", f"no sentinel names a master for {service!r}: {exc}")]
+    try:
+        findings = prepare_replicas(client, configure=fix)
+    except (redis.RedisError, OSError) as exc:
+        return [Check("sentinel", "warn", f"master {host}:{port}; replicas unknown ({exc})")]
+    checks = [
+        Check(
+            "sentinel",
+            "ok" if findings else "warn",
+            f"master {host}:{port} of {service!r}; {len(findings)} replica(s) known"
+            + ("" if findings else ": a failover has nowhere to go"),
+        )
+    ]
+    checks += [Check(f.name, f.status, f.detail) for f in findings]
     return checks
 
 

@@ -26,6 +26,7 @@ from keyexpiry.reconcile import Reconciler
 from keyexpiry.registry import Registry
 from keyexpiry.routing import Router
 from keyexpiry.runtime import Runtime
+from keyexpiry.sentinel import MasterWatch, follows_sentinel
 from keyexpiry.settings import Settings, mask_url
 from keyexpiry.store import Store
 from keyexpiry.subscription import Handlers, Subscription
@@ -102,6 +103,14 @@ class Listener:
         self.wake_channel = self.subscription.wake_channel
         self.subscribed = self.health.subscribed
         self.endpoints: Endpoints | None = None
+        self.master_watch: MasterWatch | None = None
+        if follows_sentinel(rt.redis):
+            self.master_watch = MasterWatch(
+                rt.redis,
+                subscribed_node=lambda: self.subscription.node,
+                on_switch=self.subscription.master_switched,
+                on_settled=lambda: self.request_reconcile("master switch settled"),
+            )
 
     # --- run ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -130,6 +139,13 @@ class Listener:
             stopped=self._fleet_stop,
             errors=self.thread_errors,
         )
+        if self.master_watch is not None:
+            spawn(
+                "sentinel",
+                lambda: self.master_watch.loop(self._stop),  # type: ignore[union-attr]
+                stopped=self._stop,
+                errors=self.thread_errors,
+            )
         try:
             self.subscription.serve()
             self._hand_over()
@@ -175,6 +191,7 @@ class Listener:
         """Ask `run()` to finish (safe from any thread or a signal handler)."""
         self._stop.set()
         self.maintenance.wake()
+        self.subscription.wake()
 
     def status(self) -> dict[str, object]:
         """What the listener sees now: subscription, event flow, the current Redis problem."""

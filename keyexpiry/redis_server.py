@@ -43,6 +43,13 @@ def check_notifications(client: redis.Redis, *, configure: bool) -> str | None:
             raise RedisConfigError(REPLICA_PROBLEM)
     except redis.ResponseError:
         pass  # ROLE blocked by ACL: nothing to learn
+    return notification_flags(client, configure=configure)
+
+
+def notification_flags(client: redis.Redis, *, configure: bool, where: str = "Redis") -> str | None:
+    """The `notify-keyspace-events` part of `check_notifications`, for any node (`where` names
+    it in messages): a warning if CONFIG cannot be read, RedisConfigError if E or x is missing
+    and `configure` is false."""
     text = config_value(client, "notify-keyspace-events")
     if text is None:
         return (
@@ -57,13 +64,14 @@ def check_notifications(client: redis.Redis, *, configure: bool) -> str | None:
         return None
     if not configure:
         raise RedisConfigError(
-            f"Redis keyspace notifications are {text!r}, which lacks E and/or x: expired events "
+            f"{where} keyspace notifications are {text!r}, which lacks E and/or x: expired events "
             "would never arrive. Run `keyexpiry doctor --fix`, pass --configure-redis, or set "
             "notify-keyspace-events Ex in redis.conf"
         )
     wanted = text + ("" if "E" in text else "E") + ("" if has_x else "x") + ("" if has_e else "e")
     client.config_set("notify-keyspace-events", wanted)
-    logger.warning("set notify-keyspace-events to {!r} (was {!r})", wanted, text)
+    on = "" if where == "Redis" else f" on {where}"
+    logger.warning("set notify-keyspace-events{} to {!r} (was {!r})", on, wanted, text)
     return None
 
 

@@ -26,6 +26,7 @@ from keyexpiry.embedded import RestartingRetry, ensure_embedded_redis
 from keyexpiry.errors import RedisUnavailableError
 from keyexpiry.metrics import RunMetrics
 from keyexpiry.registry import Registry, default_registry
+from keyexpiry.sentinel import close_client, is_sentinel_url, master_client
 from keyexpiry.settings import Settings, mask_url
 from keyexpiry.store import Store, make_engine
 
@@ -80,6 +81,13 @@ class Runtime:
             self._subscriber = redis_client(self.redis_url, self.settings, pubsub=True)
         return self._subscriber
 
+    def reset_subscriber(self) -> None:
+        """Drop the subscription client: the next `subscriber()` builds a fresh one (after a
+        Sentinel switch, so nothing of the old master's connection is reused)."""
+        if self._subscriber is not None:
+            close_client(self._subscriber)
+            self._subscriber = None
+
     def arm(self, items: Sequence[tuple[str, int]], now_ms: int | None = None) -> None:
         """Set task keys to expire at their due times (and announce those due soon)."""
         now = self.clock.now_ms() if now_ms is None else now_ms
@@ -87,9 +95,8 @@ class Runtime:
 
     def close(self) -> None:
         """Release every connection."""
-        self.redis.close()
-        if self._subscriber is not None:
-            self._subscriber.close()
+        close_client(self.redis)
+        self.reset_subscriber()
         self.store.engine.dispose()
 
 
@@ -137,6 +144,8 @@ def redis_client(url: str, settings: Settings, *, pubsub: bool = False) -> Redis
     if not url.startswith("unix:"):
         options["socket_keepalive"] = True  # unix sockets have no keepalive
     try:
+        if is_sentinel_url(url):
+            return master_client(url, options)
         return Redis.from_url(url, **options)
     except ValueError as exc:
         raise RedisUnavailableError(f"bad Redis URL {mask_url(url)}: {exc}") from None

@@ -36,11 +36,14 @@ def mask_url(url: str | None) -> str:
         masked = masked.replace(f"//{parts.netloc}", f"//{user}:***@{host}", 1)
     if parts.query:
         query = "&".join(
-            f"{name}=***" if name.lower() == "password" else f"{name}{sep}{value}"
+            f"{name}=***" if name.lower() in _SECRET_QUERY else f"{name}{sep}{value}"
             for name, sep, value in (item.partition("=") for item in parts.query.split("&"))
         )
         masked = masked.replace(f"?{parts.query}", f"?{query}", 1)
     return masked
+
+
+_SECRET_QUERY = ("password", "sentinel_password")
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
@@ -165,6 +168,11 @@ class Settings:
                 if not scheme or (schemes and scheme not in schemes):
                     allowed = ", ".join(f"{s}://" for s in schemes or ("mysql+pymysql", "sqlite"))
                     raise ConfigError(f"{what} {mask_url(url)!r} is not a URL ({allowed})")
+                if what == "redis_url":
+                    from keyexpiry.sentinel import is_sentinel_url, parse_sentinel_url
+
+                    if is_sentinel_url(url):
+                        parse_sentinel_url(url)  # a malformed one fails here, with the reason
 
     @property
     def embedded_redis(self) -> bool:

@@ -14,7 +14,8 @@ import uuid
 from collections.abc import Sequence
 
 from loguru import logger
-from sqlalchemy import and_, func, inspect, or_, select, update
+from sqlalchemy import Connection, and_, func, inspect, or_, select, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.claims import ClaimQueries
 from keyexpiry.errors import StoreError
@@ -26,7 +27,8 @@ from keyexpiry.retention import RetentionQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus, args_json, schedule_json
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.scans import ScanQueries
-from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task
+from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task, upsert_statement
+from keyexpiry.transactions import database_identity
 
 # Statements whose values are written into them: no `%` in them is a placeholder for PyMySQL.
 _NO_PARAMETERS = {"no_parameters": True}
@@ -165,6 +167,31 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
             "result": None,
         }
 
+    def upsert_pending_in(self, conn: Connection, tasks: Sequence[NewTask], now_ms: int) -> None:
+        """`upsert_pending` on the caller's connection, in its transaction (not retried: a
+        statement that fails leaves the caller's transaction to the caller)."""
+        rows = [self._bound_row(t, now_ms) for t in tasks]
+        same = conn.dialect.name == self.engine.dialect.name
+        statement = self._upsert if same else upsert_statement(conn.dialect.name)
+        try:
+            for start in range(0, len(rows), 5000):
+                conn.execute(statement, rows[start : start + 5000])
+        except SQLAlchemyError as exc:
+            raise self._store_error(exc) from exc
+
+    def cancel_in(self, conn: Connection, keys: Sequence[str], now_ms: int) -> list[str]:
+        """`cancel` on the caller's connection, in its transaction."""
+        try:
+            return self._cancel_on(conn, keys, now_ms, f"cancel:{uuid.uuid4().hex}")
+        except SQLAlchemyError as exc:
+            raise self._store_error(exc) from exc
+
+    @retried_once
+    def identity(self) -> tuple[str, ...]:
+        """What names the ledger's database (`transactions.database_identity`)."""
+        with self._tx() as conn:
+            return database_identity(conn)
+
     def cancel(self, keys: Sequence[str], now_ms: int) -> list[str]:
         """Cancel those of `keys` that are pending; return the keys actually cancelled."""
         if not keys:
@@ -176,20 +203,26 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
     @retried_once
     def _cancel(self, keys: Sequence[str], now_ms: int, token: str) -> list[str]:
         with self._tx() as conn:
-            conn.execute(
-                update(T)
-                .where(T.c.task_key.in_(list(keys)), T.c.status == TaskStatus.PENDING.value)
-                .values(
-                    status=TaskStatus.CANCELLED.value,
-                    updated_at_ms=now_ms,
-                    finished_at_ms=now_ms,
-                    claimed_by=token,
-                )
+            return self._cancel_on(conn, keys, now_ms, token)
+
+    @staticmethod
+    def _cancel_on(conn: Connection, keys: Sequence[str], now_ms: int, token: str) -> list[str]:
+        if not keys:
+            return []
+        conn.execute(
+            update(T)
+            .where(T.c.task_key.in_(list(keys)), T.c.status == TaskStatus.PENDING.value)
+            .values(
+                status=TaskStatus.CANCELLED.value,
+                updated_at_ms=now_ms,
+                finished_at_ms=now_ms,
+                claimed_by=token,
             )
-            got = conn.execute(
-                select(T.c.task_key).where(T.c.claimed_by == token, T.c.task_key.in_(list(keys)))
-            )
-            return [r[0] for r in got]
+        )
+        got = conn.execute(
+            select(T.c.task_key).where(T.c.claimed_by == token, T.c.task_key.in_(list(keys)))
+        )
+        return [r[0] for r in got]
 
     def cancel_tag(self, tag: str, now_ms: int) -> list[str]:
         """Cancel every pending task tagged `tag`; return the keys cancelled."""

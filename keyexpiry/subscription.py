@@ -25,6 +25,7 @@ from keyexpiry.redis_server import (
     subscribe_confirmed,
 )
 from keyexpiry.runtime import Runtime
+from keyexpiry.sentinel import Address, follows_sentinel, prepare_replicas
 from keyexpiry.threads import Backoff, ThreadErrors
 
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -74,6 +75,11 @@ class Subscription:
         self._wake_bytes = self.wake_channel.encode()
         self._pubsub: Any = None
         self._gap = threading.Event()
+        self._retry_now = threading.Event()
+        self._switched = False
+        self._sentinel = follows_sentinel(rt.redis)
+        self.node: Address | None = None
+        """The server this subscription is on (host, port), None while not subscribed."""
         self.connected_once = False
         self.gaps = 0
 
@@ -97,6 +103,10 @@ class Subscription:
                 self.gaps += 1
                 health.connection_gap()
                 wait_s = backoff.next_s()
+                if self._switched:
+                    self._switched = False
+                    backoff.reset()  # the new master is ready: no reason to wait
+                    wait_s = 0.0
                 if isinstance(exc, Rebuild):
                     logger.info("rebuilding the subscription")
                 elif isinstance(exc, redis.AuthenticationError):
@@ -106,7 +116,7 @@ class Subscription:
                     logger.error("{}; retrying in {:.1f} s", health.problem, wait_s)
                 else:
                     logger.error("Redis connection lost ({}); retrying in {:.1f} s", exc, wait_s)
-                self._stop.wait(wait_s)
+                self._wait(wait_s)
             except RedisConfigError as exc:
                 if not self.connected_once:
                     raise
@@ -125,7 +135,24 @@ class Subscription:
     def _pause(self, seconds: float) -> None:
         self._health.subscribed.clear()
         self.close()
-        self._stop.wait(seconds)
+        self._wait(seconds)
+
+    def _wait(self, seconds: float) -> None:
+        """Wait out a backoff; `wake()` (a stop, a master switch) ends it early."""
+        self._retry_now.wait(seconds)
+        self._retry_now.clear()
+
+    def wake(self) -> None:
+        """End the current backoff wait now (`serve` then looks at `stop`)."""
+        self._retry_now.set()
+
+    def master_switched(self) -> None:
+        """Sentinel names another master: rebuild the subscription there now (a fresh client,
+        the checks, a confirmed subscribe, a reconciliation), without waiting out a backoff."""
+        self._switched = True
+        if self._health.subscribed.is_set():
+            self._health.reconnect_wanted = True
+        self._retry_now.set()
 
     def connect(self) -> None:
         """Check the server, subscribe (confirmed), arm sentinels, ask for a reconciliation."""
@@ -138,6 +165,9 @@ class Subscription:
         eviction = eviction_warning(client)
         if eviction:
             logger.warning(eviction)
+        if self._sentinel:
+            # Never reuse a connection made before: a PubSub re-dials the node it had.
+            self.rt.reset_subscriber()
         self.rt.clock.sync()
         pubsub: Any = self.rt.subscriber().pubsub()  # type: ignore[no-untyped-call]
         self._pubsub = pubsub
@@ -148,16 +178,36 @@ class Subscription:
         # redis-py silently reconnects and re-subscribes a dropped pubsub connection; this
         # callback is how we learn of that gap.
         pubsub.connection.register_connect_callback(self._on_reconnect)
+        if self._sentinel:
+            self.node = (str(pubsub.connection.host), int(pubsub.connection.port))
+        self._retry_now.clear()
         health.subscribed.set()
         health.arm_sentinels(fresh=False)
         reason = "reconnect" if self.connected_once else "start-up"
         self.connected_once = True
-        logger.info("subscribed to {} ({})", self.channel, reason)
+        if self.node is not None:
+            logger.info("subscribed to {} on master {}:{} ({})", self.channel, *self.node, reason)
+        else:
+            logger.info("subscribed to {} ({})", self.channel, reason)
         # A replica is over once events flow again (the canary): ROLE may be blocked by ACL.
         if health.problem is not None and health.problem != REPLICA_PROBLEM:
             logger.warning("Redis serves this listener again (was: {})", health.problem)
             health.problem = None
         self._request_reconcile(reason)
+        if self._sentinel:
+            # After subscribing: an unreachable replica must not delay following the master.
+            self._prepare_replicas()
+
+    def _prepare_replicas(self) -> None:
+        """A failover promotes a replica: it must announce expired keys before it is one."""
+        try:
+            findings = prepare_replicas(self.rt.redis, configure=self.rt.settings.configure_redis)
+        except CONNECTION_ERRORS as exc:
+            logger.warning("cannot ask the sentinels for the replicas: {}", exc)
+            return
+        for finding in findings:
+            if finding.status != "ok":
+                logger.warning("{}: {}", finding.name, finding.detail)
 
     def step(self, timeout_s: float) -> int:
         """Handle the messages that arrive within `timeout_s`; return how many were read."""
@@ -167,6 +217,9 @@ class Subscription:
             raise Rebuild("rebuilding the subscription")
         if self._gap.is_set():
             self._gap.clear()
+            if self._sentinel:
+                # redis-py re-subscribed on whichever node the sentinels name, unchecked.
+                raise Rebuild("the subscription reconnected behind Sentinel")
             self.gaps += 1
             health.connection_gap()
             logger.warning(
@@ -220,6 +273,7 @@ class Subscription:
 
     def close(self) -> None:
         """Drop the pub/sub connection (safe to call when there is none)."""
+        self.node = None
         if self._pubsub is not None:
             try:
                 # The connection goes back to the pool with its callbacks: without this, the

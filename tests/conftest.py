@@ -23,7 +23,8 @@ from typing import Protocol
 
 import pytest
 
-from keyexpiry.bench.servers import MariaDBServer, RedisServer, find_binary
+from keyexpiry.bench.servers import LOOPBACK, MariaDBServer, RedisServer, find_binary
+from keyexpiry.bench.servers.sentinel import SentinelGroup
 
 # keyexpiry-level fixtures (settings, client, start_listener) live in tests/ke.py.
 pytest_plugins = ["tests.ke", "tests.reliability"]
@@ -221,3 +222,70 @@ def mariadb_factory(tmp_path: Path) -> Iterator[MariaDBFactory]:
     finally:
         for server in servers:
             server.kill()
+
+
+# -- Redis Sentinel groups -------------------------------------------------------------
+
+
+def _group_healthy(group: SentinelGroup) -> bool:
+    servers = [*group.nodes, *group.sentinels]
+    return all(s.running for s in servers) and group.master_address() == (
+        LOOPBACK,
+        group.master.port,
+    )
+
+
+@pytest.fixture(scope="session")
+def _session_sentinel_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
+    binary = _require(REDIS_SERVER)
+    group = SentinelGroup(tmp_path_factory.mktemp("sentinel"), binary=binary)
+    group.start()
+    try:
+        yield group
+    finally:
+        group.stop()
+
+
+@pytest.fixture
+def sentinel_group(_session_sentinel_group: SentinelGroup) -> SentinelGroup:
+    """One Sentinel group per pytest process (master, replica, three sentinels), flushed,
+    notifications `Ex` on both nodes. A test that faults it must use `sentinel_factory`."""
+    group = _session_sentinel_group
+    assert _group_healthy(group), "the session's Sentinel group was faulted by a test"
+    for node in group.nodes:
+        client = node.client()
+        try:
+            client.config_set("notify-keyspace-events", "Ex")
+            if node is group.master:
+                client.flushall()
+        finally:
+            client.close()
+    group.wait_ready()
+    return group
+
+
+class SentinelFactory(Protocol):
+    """Signature of the ``sentinel_factory`` fixture's value."""
+
+    def __call__(self, *, replica_args: Sequence[str] = ()) -> SentinelGroup: ...
+
+
+@pytest.fixture
+def sentinel_factory(tmp_path: Path) -> Iterator[SentinelFactory]:
+    """Sentinel groups owned by one test (to kill or fail over), killed when it ends."""
+    binary = _require(REDIS_SERVER)
+    groups: list[SentinelGroup] = []
+
+    def make(*, replica_args: Sequence[str] = ()) -> SentinelGroup:
+        group = SentinelGroup(
+            tmp_path / f"sentinel-{len(groups)}", replica_args=replica_args, binary=binary
+        )
+        groups.append(group)
+        group.start()
+        return group
+
+    try:
+        yield make
+    finally:
+        for group in groups:
+            group.stop()

@@ -1,20 +1,27 @@
-"""The example business tasks in tasks/ do their job, idempotently, on MariaDB."""
+"""The example business code (tasks/ and examples/) does its job, idempotently, on MariaDB."""
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from decimal import Decimal
+from pathlib import Path
 
 import keyexpiry.examples.auctions
 import keyexpiry.examples.orders
 import keyexpiry.examples.refunds
+import pytest
+from fastapi.testclient import TestClient
 from keyexpiry.examples import schema
-from sqlalchemy import select
+from sqlalchemy import func, select
 
+from examples.fastapi_orders import app as shop_app
+from examples.fastapi_orders import schema as shop_schema
+from examples.fastapi_orders.tasks import PaymentWindow
 from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.store import TaskStatus
-from tests.ke import Running, wait_status
+from tests.ke import Running, make_settings, wait_status
 
 
 def test_examples_change_business_data_once_and_tolerate_reruns(
@@ -59,3 +66,78 @@ def test_examples_change_business_data_once_and_tolerate_reruns(
     assert orders == {218: "closed", 219: "paid"}
     assert confirmed == 1 and auction == "ended"
     assert (sale.status, sale.refunded) == ("refunded", Decimal("19.90"))
+
+
+# --- examples/fastapi_orders: an order and its timeout task in one transaction ------------------
+
+
+@pytest.fixture
+def shop(
+    redis_url: str, mysql_url: str, tmp_path: Path, start_listener: Callable[[Settings], Running]
+) -> Iterator[tuple[TestClient, Client]]:
+    """The shop on MariaDB with a 0.3 s payment window, a listener running its task, and a
+    client to read the ledger."""
+    settings = make_settings(redis_url, mysql_url, tmp_path)
+    with TestClient(shop_app.create_app(settings, payment_window_s=0.3)) as http:
+        http.put("/stock/tea", json={"available": 5}).raise_for_status()
+        start_listener(settings)
+        ke = Client(settings)
+        try:
+            yield http, ke
+        finally:
+            ke.close()
+
+
+def _order_status(http: TestClient, order_id: int, status: str) -> None:
+    wait_until(
+        lambda: http.get(f"/orders/{order_id}").json()["status"] == status,
+        10,
+        message=f"order {order_id} never became {status}",
+    )
+
+
+def test_fastapi_shop_closes_unpaid_orders_and_cancels_paid_ones(
+    shop: tuple[TestClient, Client],
+) -> None:
+    http, ke = shop
+    unpaid = http.post("/orders", json={"sku": "tea", "quantity": 2}).json()
+    paid = http.post("/orders", json={"sku": "tea", "quantity": 1}).json()
+    answer = http.post(f"/orders/{paid['id']}/pay")
+    assert answer.status_code == 200 and answer.json()["timeout_cancelled"] is True
+
+    _order_status(http, unpaid["id"], "closed")
+    row = wait_status(ke, ke.key_for(PaymentWindow.close_unpaid, unpaid["id"]), TaskStatus.DONE)
+    assert row.attempts == 1
+    # The paid order's task was cancelled in the payment's transaction: its key is gone, so
+    # it never runs (the unpaid one, due at the same time, already has).
+    cancelled = ke.get(PaymentWindow.close_unpaid, paid["id"])
+    assert cancelled is not None and cancelled.status is TaskStatus.CANCELLED
+    assert cancelled.attempts == 0 and ke.ttl_ms(PaymentWindow.close_unpaid, paid["id"]) is None
+    assert http.get(f"/orders/{paid['id']}").json()["status"] == "paid"
+    # Closing put the unpaid order's 2 back: 5 - 1 paid.
+    with ke.store.engine.connect() as conn:
+        assert conn.execute(select(shop_schema.stock.c.available)).scalar() == 4
+    # Too late to pay a closed order; nothing to pay twice; no such order.
+    assert http.post(f"/orders/{unpaid['id']}/pay").status_code == 409
+    assert http.post(f"/orders/{paid['id']}/pay").status_code == 409
+    assert http.post("/orders/999999/pay").status_code == 404
+
+
+def test_fastapi_shop_failing_request_leaves_neither_order_nor_task(
+    shop: tuple[TestClient, Client],
+) -> None:
+    http, ke = shop
+    # Refused after the order and its task were written in the transaction: both roll back.
+    refused = http.post("/orders", json={"sku": "tea", "quantity": 6})
+    assert refused.status_code == 409 and "stock" in refused.json()["detail"]
+    # Refused before anything is written.
+    assert http.post("/orders", json={"sku": "tea", "quantity": 0}).status_code == 422
+    with ke.store.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(shop_schema.orders)).scalar() == 0
+        assert conn.execute(select(shop_schema.stock.c.available)).scalar() == 5
+    assert ke.list_tasks() == []
+    assert ke.redis.keys("PaymentWindow@*") == []
+    # The same request within stock goes through, task and all.
+    accepted = http.post("/orders", json={"sku": "tea", "quantity": 5}).json()
+    assert ke.get(PaymentWindow.close_unpaid, accepted["id"]) is not None
+    _order_status(http, accepted["id"], "closed")

@@ -1,0 +1,1 @@
+"""Runnable examples of keyexpiry inside web frameworks (not shipped in the wheel)."""

@@ -1,0 +1,1 @@
+"""A FastAPI shop whose unpaid orders close themselves: see README.md beside this file."""

@@ -1,0 +1,204 @@
+"""Joining the caller's transaction (`create(..., tx=conn)`): which connection, whether it is on the
+ledger's database, and what runs once it commits.
+
+The row is written on the caller's connection; its Redis key is set (or, for a cancel, deleted)
+only after the caller's transaction commits, and nothing happens on a rollback. SQLAlchemy's Core
+has no event after a commit (`ConnectionEvents.commit` fires before it, and its maintainers decline
+to add one), so the `commit` listener added here commits the DBAPI connection itself, then syncs the
+keys, then lets SQLAlchemy's own commit run, which finds nothing left to commit. It is the
+connection's transaction that is followed, not a Session's: a Session joined to an outer
+transaction "commits" without committing anything, and only the outer commit arms the keys.
+
+After the commit the keys are synced with what the ledger then holds (a pending row is armed at
+its due time, a row no longer pending has its key deleted after a cancel), not with what was
+written: a SAVEPOINT rolled back in between undid some of it, and a listener may have claimed a
+row already. If the process dies between the commit and the sync, the rows are pending without
+keys: the listener's periodic check of overdue rows arms them (README, "Transactions").
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from loguru import logger
+from sqlalchemy import Connection, Engine, event
+from sqlalchemy.engine.base import TwoPhaseTransaction
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from keyexpiry.errors import ArgumentError, StoreError
+from keyexpiry.keys import excerpt
+
+Tx = Connection | Session
+"""The caller's transaction: a SQLAlchemy `Connection` or ORM `Session` on the ledger's database."""
+
+Sync = Callable[[set[str], set[str]], None]
+"""What runs after the commit: `sync(created_keys, cancelled_keys)`."""
+
+
+def connection_of(tx: object) -> Connection:
+    """The Connection whose transaction `tx` names (a Session's for its default bind)."""
+    if isinstance(tx, Session):
+        try:
+            conn = tx.connection()
+        except SQLAlchemyError as exc:
+            raise ArgumentError(
+                f"tx: the Session has no connection for the ledger ({exc}); pass the "
+                "Connection of its transaction on the ledger's database instead"
+            ) from None
+    elif isinstance(tx, Connection):
+        conn = tx
+    else:
+        raise ArgumentError(
+            f"tx must be a SQLAlchemy Connection or Session, got {type(tx).__name__}"
+        )
+    if conn.closed or conn.invalidated:
+        raise ArgumentError("tx is a closed or invalidated connection")
+    # Private, but the only way to know; without it an AUTOCOMMIT connection is not detected
+    # and its keys are armed at its next commit() instead.
+    is_autocommit = getattr(conn, "_is_autocommit_isolation", None)
+    if callable(is_autocommit) and is_autocommit():
+        raise ArgumentError(
+            "tx is in AUTOCOMMIT mode: it has no transaction to join (call without tx=)"
+        )
+    if isinstance(conn.get_transaction(), TwoPhaseTransaction):
+        raise ArgumentError("tx is a two-phase transaction: not supported")
+    return conn
+
+
+# --- the same database ------------------------------------------------------------------------
+
+_identities: weakref.WeakKeyDictionary[Engine, tuple[str, ...]] = weakref.WeakKeyDictionary()
+_identities_lock = threading.Lock()
+
+
+def database_identity(conn: Connection) -> tuple[str, ...]:
+    """What names the database `conn` is on, asked of the server once per engine: a URL can name
+    one database in many ways (a host name or its address, a driver or another)."""
+    engine = conn.engine
+    with _identities_lock:
+        known = _identities.get(engine)
+    if known is not None:
+        return known
+    name = conn.dialect.name
+    ident: tuple[str, ...]
+    if name == "sqlite":
+        rows = conn.exec_driver_sql("PRAGMA database_list").all()
+        path = next((str(r[2]) for r in rows if r[1] == "main"), "")
+        # An in-memory database is its engine's alone.
+        ident = ("sqlite", os.path.realpath(path) if path else f"memory:{id(engine)}")
+    elif name in ("mysql", "mariadb"):
+        host, port, schema = conn.exec_driver_sql("SELECT @@hostname, @@port, DATABASE()").one()
+        ident = ("mysql", str(host), str(port), str(schema))
+    else:
+        url = engine.url
+        ident = (name, str(url.host), str(url.port), str(url.database))
+    with _identities_lock:
+        _identities[engine] = ident
+    return ident
+
+
+def check_same_database(conn: Connection, ledger: Engine, ledger_identity: tuple[str, ...]) -> None:
+    """Raise ArgumentError unless `conn` is on the ledger's database."""
+    if conn.engine is ledger:
+        return
+    try:
+        theirs = database_identity(conn)
+    except SQLAlchemyError as exc:
+        raise StoreError(f"tx: cannot tell which database it is on: {exc}") from None
+    if theirs != ledger_identity:
+        raise ArgumentError(
+            f"tx is a connection to another database ({', '.join(theirs)}) than the ledger "
+            f"({', '.join(ledger_identity)}): its transaction cannot hold the task's row"
+        )
+
+
+# --- after the commit -----------------------------------------------------------------------
+
+
+@dataclass
+class _Joined:
+    """What one connection's transaction holds for keyexpiry, by the client that wrote it."""
+
+    created: dict[Sync, set[str]] = field(default_factory=dict)
+    cancelled: dict[Sync, set[str]] = field(default_factory=dict)
+
+
+_joined: weakref.WeakKeyDictionary[Connection, _Joined] = weakref.WeakKeyDictionary()
+_hooked: weakref.WeakSet[Connection] = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def after_commit(
+    conn: Connection, sync: Sync, *, created: Iterable[str] = (), cancelled: Iterable[str] = ()
+) -> None:
+    """Run `sync(created, cancelled)` once `conn`'s transaction commits; forget it on a rollback.
+
+    Keys of one transaction are gathered: `sync` runs once per client and commit.
+    """
+    with _lock:
+        joined = _joined.setdefault(conn, _Joined())
+        joined.created.setdefault(sync, set()).update(created)
+        joined.cancelled.setdefault(sync, set()).update(cancelled)
+        if conn not in _hooked:
+            _hooked.add(conn)
+            event.listen(conn, "commit", _on_commit)
+            event.listen(conn, "rollback", _on_rollback)
+
+
+def pending_for(conn: Connection) -> bool:
+    """Whether `conn`'s transaction holds keys to sync at its commit (for tests)."""
+    with _lock:
+        return conn in _joined
+
+
+def _on_rollback(conn: Connection) -> None:
+    with _lock:
+        _joined.pop(conn, None)
+
+
+def _on_commit(conn: Connection) -> None:
+    with _lock:
+        joined = _joined.pop(conn, None)
+    if joined is None:
+        return  # a later transaction of this connection without tasks: SQLAlchemy commits it
+    dialect = conn.dialect
+    try:
+        dialect.do_commit(conn.connection)
+    except dialect.loaded_dbapi.Error as exc:
+        # What SQLAlchemy's own commit would have raised. Nothing is armed: if the commit did
+        # happen after all (its reply was lost), reconciliation arms the rows.
+        raise DBAPIError.instance(
+            None,
+            None,
+            exc,
+            dialect.loaded_dbapi.Error,
+            connection_invalidated=dialect.is_disconnect(exc, conn.connection, None),
+            dialect=dialect,
+        ) from exc
+    for sync, created in joined.created.items():
+        cancelled = joined.cancelled.get(sync, set())
+        _run_sync(sync, created, cancelled)
+    for sync, cancelled in joined.cancelled.items():
+        if sync not in joined.created:
+            _run_sync(sync, set(), cancelled)
+
+
+def _run_sync(sync: Sync, created: set[str], cancelled: set[str]) -> None:
+    # The commit stands whatever happens here: raising would tell the caller it failed.
+    try:
+        sync(created, cancelled)
+    except Exception as exc:
+        keys = sorted(created | cancelled)
+        more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+        logger.bind(key=keys[0] if keys else "", attempt=0).warning(
+            "committed, but the Redis keys of {}{} were not synced ({}); reconciliation "
+            "arms pending rows",
+            excerpt(keys[0], 80) if keys else "",
+            more,
+            exc,
+        )

@@ -1,0 +1,141 @@
+"""keyexpiry behind Redis Sentinel, on a real group (master, replica, three sentinels): tasks run
+once through a `redis+sentinel://` URL, replicas get notifications, doctor checks every node.
+
+Failovers are in tests/faults/test_sentinel_faults.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from loguru import logger
+
+from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.bench.servers import LOOPBACK, wait_until
+from keyexpiry.bench.servers.sentinel import SentinelGroup
+from keyexpiry.doctor import run_checks
+from keyexpiry.sentinel import MasterWatch, follows_sentinel, replica_addresses
+from keyexpiry.store import TaskStatus
+from tests import sample_tasks
+from tests.ke import Running, make_settings, wait_status
+
+StartListener = Callable[[Settings], Running]
+
+
+@pytest.fixture
+def log_lines() -> Iterator[list[str]]:
+    """Every loguru line written during the test, as `LEVEL message`."""
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="DEBUG", format="{level} {message}", diagnose=False)
+    yield lines
+    logger.remove(sink)
+
+
+def test_tasks_run_once_through_a_sentinel_url(
+    sentinel_group: SentinelGroup, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    cfg = make_settings(sentinel_group.url(), db_url, tmp_path)
+    sample_tasks.reset()
+    with Client(cfg) as c:
+        assert follows_sentinel(c.redis)
+        running = start_listener(cfg)
+        assert running.listener.subscription.node == (LOOPBACK, sentinel_group.master.port)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"sentinel{i}",), ttl_ms=100 + 20 * i) for i in range(20)
+        )
+        for key in keys:
+            wait_status(c, key, TaskStatus.DONE)
+        assert all(sample_tasks.CALLS[k] == 1 for k in keys)
+        # The key of a later task was written on the master (and replicated).
+        later = c.create("Probe.record", "later", ttl_s=60)
+        master = sentinel_group.master.client()
+        assert 55_000 < int(master.pttl(later)) <= 60_250  # the clock is extrapolated: ms off
+        master.close()
+
+
+def test_a_replica_without_notifications_is_configured_with_configure_redis(
+    sentinel_group: SentinelGroup,
+    sqlite_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    log_lines: list[str],
+) -> None:
+    replica = sentinel_group.replica.client(decode_responses=True)
+    replica.config_set("notify-keyspace-events", "")
+    try:
+        start_listener(make_settings(sentinel_group.url(), sqlite_url, tmp_path / "plain"))
+        name = f"replica {LOOPBACK}:{sentinel_group.replica.port}"
+
+        def warned() -> list[str]:
+            return [line for line in log_lines if name in line]
+
+        wait_until(lambda: bool(warned()), 10, message="no warning about the replica")
+        assert warned()[0].startswith("WARNING") and "failover" in warned()[0]
+        assert replica.config_get("notify-keyspace-events")["notify-keyspace-events"] == ""
+        cfg = make_settings(sentinel_group.url(), sqlite_url, tmp_path, configure_redis=True)
+        start_listener(cfg)
+
+        def flags() -> str:
+            return str(replica.config_get("notify-keyspace-events")["notify-keyspace-events"])
+
+        wait_until(lambda: set("Exe") <= set(flags()), 10, message="replica not configured")
+    finally:
+        replica.config_set("notify-keyspace-events", "Ex")
+        replica.close()
+
+
+def test_doctor_checks_the_master_and_every_replica(
+    sentinel_group: SentinelGroup, sqlite_url: str, tmp_path: Path
+) -> None:
+    replica = sentinel_group.replica.client(decode_responses=True)
+    replica.config_set("notify-keyspace-events", "")
+    try:
+        with Client(make_settings(sentinel_group.url(), sqlite_url, tmp_path)) as c:
+            checks = {ch.name: ch for ch in run_checks(c.rt)}
+            name = f"replica {LOOPBACK}:{sentinel_group.replica.port}"
+            assert checks["sentinel"].status == "ok"
+            assert f"{LOOPBACK}:{sentinel_group.master.port}" in checks["sentinel"].detail
+            assert checks["notifications"].status == "ok"
+            assert checks[name].status == "fail", checks[name]
+            assert "failover" in checks[name].detail
+            fixed = {ch.name: ch for ch in run_checks(c.rt, fix=True)}
+            assert fixed[name].status == "ok", fixed[name]
+        assert "E" in str(replica.config_get("notify-keyspace-events")["notify-keyspace-events"])
+    finally:
+        replica.config_set("notify-keyspace-events", "Ex")
+        replica.close()
+
+
+def test_sentinels_know_the_replica_and_the_watch_sees_the_master(
+    sentinel_group: SentinelGroup, sqlite_url: str, tmp_path: Path
+) -> None:
+    switches: list[int] = []
+    with Client(make_settings(sentinel_group.url(), sqlite_url, tmp_path)) as c:
+        assert replica_addresses(c.redis) == [(LOOPBACK, sentinel_group.replica.port)]
+        node: list[tuple[str, int] | None] = [None]
+        watch = MasterWatch(
+            c.redis, subscribed_node=lambda: node[0], on_switch=lambda: switches.append(1)
+        )
+        master = (LOOPBACK, sentinel_group.master.port)
+        assert watch.check() == master
+        assert switches == [1]  # not subscribed anywhere yet: connect now
+        node[0] = master
+        assert watch.check() == master
+        assert switches == [1]  # on the master: nothing to do
+        node[0] = (LOOPBACK, sentinel_group.replica.port)
+        watch.check()
+        assert switches == [1, 1]  # on a node that is not the master: move
+        assert watch.switches == 0
+
+
+def test_a_sentinel_down_is_skipped(
+    sentinel_group: SentinelGroup, sqlite_url: str, tmp_path: Path
+) -> None:
+    hosts = ",".join(f"{LOOPBACK}:{s.port}" for s in sentinel_group.sentinels)
+    # A port nothing listens on first: the client asks the next sentinel.
+    dead = sentinel_group.url().replace(hosts, f"{LOOPBACK}:1,{hosts}")
+    with Client(make_settings(dead, sqlite_url, tmp_path)) as c:
+        key = c.create("Probe.record", "skipped", ttl_s=60)
+        wait_until(lambda: c.redis.exists(key) == 1, 5)
