@@ -266,6 +266,13 @@ class Watchdog:
                 run.timeout_s,
             )
             self._executor.spawn_worker()
+            end_tx = run.end_tx
+            if run.tx_taken and end_tx is not None:
+                try:
+                    end_tx()  # its locks go now, not when (if ever) the handler returns
+                    log.warning("its transaction was ended (its writes rolled back)")
+                except Exception as exc:
+                    log.warning("could not end its transaction: {}", exc)
             try:
                 outcome = failed(
                     self.rt, run, f"TimeoutError: handler exceeded {run.timeout_s:g} s"

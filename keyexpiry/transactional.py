@@ -41,6 +41,9 @@ def run_in_transaction(
         return failed(f"StoreError: could not begin the handler's transaction: {exc}")
     tx = conn.get_transaction()
     try:
+        if not inflight.attach_tx(run, _ender(rt, conn)):
+            _rollback(conn)
+            return None  # failed by the watchdog before it began
         outcome = call(conn)
         if outcome.status is not TaskStatus.DONE:
             _rollback(conn)  # the handler failed: its writes go, the failure is recorded later
@@ -74,7 +77,24 @@ def run_in_transaction(
         log.error("could not record the run in its transaction: {}", exc)
         return failed(f"StoreError: could not record the run in its transaction: {exc}")
     finally:
-        conn.close()
+        if inflight.detach_tx(run):
+            conn.close()
+        else:
+            # The watchdog is ending this connection's session: were it pooled again, the KILL
+            # could land on whoever took it next.
+            conn.invalidate()
+            conn.close()
+
+
+def _ender(rt: Runtime, conn: Connection) -> Callable[[], None]:
+    """What ends `conn`'s transaction from another thread once its run is abandoned, so a hung
+    handler's locks go with its timeout: on MySQL/MariaDB a KILL of its session (the server
+    rolls back); elsewhere nothing can (SQLite: the handler's thread ends it when it returns)."""
+    thread_id = getattr(conn.connection.driver_connection, "thread_id", None)
+    if conn.dialect.name not in ("mysql", "mariadb") or thread_id is None:
+        return lambda: None
+    session = int(thread_id())
+    return lambda: rt.store.kill_session(session)
 
 
 def _rollback(conn: Connection) -> None:

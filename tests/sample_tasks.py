@@ -7,7 +7,7 @@ import threading
 from collections import Counter
 from decimal import Decimal
 
-from sqlalchemy import Column, Integer, MetaData, String, Table, insert
+from sqlalchemy import Column, Integer, MetaData, String, Table, insert, update
 
 from keyexpiry import DoNotRetry, Retry, current, exposed, task
 
@@ -33,6 +33,13 @@ NOTES = Table(
     Column("attempt", Integer, nullable=False),
 )
 """A business table in the ledger's database, written by the transactional handlers."""
+COUNTERS = Table(
+    "biz_counter",
+    business,
+    Column("name", String(64), primary_key=True),
+    Column("n", Integer, nullable=False),
+)
+"""A business row `Ledgered.hang_locked` locks (by updating it) and holds."""
 _lock = threading.Lock()
 RUNS_FILE_ENV = "KEYEXPIRY_TEST_RUNS_FILE"
 """`Probe.logged` appends each run's key to the file this variable names (in any process)."""
@@ -194,6 +201,18 @@ class Ledgered:
         entered(name).set()
         gate(name).wait(20)
         return _write_note(name)
+
+    @exposed(transactional=True, timeout_s=0.3, retry_schedule_s=[0.05])
+    def hang_locked(self, name: str) -> int:
+        """Counts in `biz_counter`, which locks the row; the first attempt then hangs with the
+        lock held until its gate opens."""
+        _note(name)
+        ctx = current()
+        ctx.tx.execute(update(COUNTERS).where(COUNTERS.c.name == name).values(n=COUNTERS.c.n + 1))
+        if ctx.attempt == 1:
+            entered(name).set()
+            gate(name).wait(10)
+        return ctx.attempt
 
     @exposed(transactional=True)
     def commits_itself(self, name: str) -> None:

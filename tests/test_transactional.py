@@ -4,9 +4,10 @@ its task's `done`, or roll back with a failure, a timeout or a lost claim (SQLit
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import insert, select, update
 
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
@@ -14,7 +15,7 @@ from keyexpiry.errors import ConfigError
 from keyexpiry.registry import exposed
 from keyexpiry.store import T, TaskStatus
 from tests import sample_tasks
-from tests.ke import Running, wait_status
+from tests.ke import Running, make_settings, wait_status
 
 StartListener = Callable[[Settings], Running]
 Ledgered = sample_tasks.Ledgered
@@ -107,6 +108,40 @@ def test_a_lost_claim_rolls_the_write_back(
     else:
         assert row.status is TaskStatus.RUNNING and row.claimed_by == "peer:1:x:1"
     assert sample_tasks.CALLS[key] == 1
+
+
+def test_on_mariadb_a_hung_handlers_locks_go_with_its_timeout(
+    redis_url: str, mysql_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    # SQLite has no session to end: there the hung handler's transaction ends when it returns
+    # (the timeout test above).
+    settings = make_settings(redis_url, mysql_url, tmp_path)
+    counters = sample_tasks.COUNTERS
+    with Client(settings) as client:
+        sample_tasks.business.create_all(client.store.engine)
+        with client.store.engine.begin() as conn:
+            conn.execute(insert(counters).values(name="c", n=0))
+
+        def count() -> int:
+            with client.store.engine.connect() as conn:
+                return int(conn.execute(select(counters.c.n)).scalar_one())
+
+        running = start_listener(settings)
+        key = client.create(Ledgered.hang_locked, "c", ttl_ms=20)
+        assert sample_tasks.entered("c").wait(10)
+        # The retry takes the row lock the hung first attempt held: its session was killed at
+        # its timeout, its increment rolled back. (Without that the retry waits out the lock
+        # wait timeout, fails, and the task dies.)
+        row = wait_status(client, key, TaskStatus.DONE, timeout_s=4)
+        assert row.attempts == 2 and row.result == 2 and count() == 1
+        sample_tasks.gate("c").set()
+        executor = running.listener.dispatcher.executor
+
+        def retired() -> bool:
+            return sum(t.is_alive() for t in executor.threads) == settings.concurrency
+
+        wait_until(retired, 10, interval_s=0.01, message="the hung run never returned")
+        assert count() == 1 and sample_tasks.CALLS[key] == 2
 
 
 def test_a_handler_that_ends_the_transaction_itself_is_dead(
