@@ -215,10 +215,10 @@ def create(
 @_errors
 def cancel(
     ctx: typer.Context,
-    class_name: str = typer.Argument(None, metavar="[CLASS"),
+    class_name: str = typer.Argument(None, metavar="CLASS"),
     method: str = typer.Argument(None, metavar="METHOD"),
-    args: list[str] = typer.Argument(None, metavar="[ARG]...]"),
-    tag: str = typer.Option(None, "--tag", help="Cancel every pending task with this tag."),
+    args: list[str] = typer.Argument(None, metavar="[ARG]..."),
+    tag: str = typer.Option(None, "--tag", help="Instead of a task: every pending one so tagged."),
     tasks: str = TasksOpt,
 ) -> None:
     """Cancel a pending task (exit 1 if it is not pending), or with --tag every pending task
