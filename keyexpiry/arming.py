@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import redis
+from redis.cluster import RedisCluster
 
+from keyexpiry.cluster import by_node
 from keyexpiry.keys import MAX_KEY_BYTES, wake_channel
 from keyexpiry.settings import Settings
 
@@ -50,14 +53,19 @@ def arm_keys(
     pipe = client.pipeline(transaction=False)
     soon: list[str] = []
     future = [(k, d) for k, d in items if d > now_ms]
-    scripted = len(future) >= _SCRIPT_MIN_KEYS
+    cluster = isinstance(client, RedisCluster)
+    bulk = len(future) >= _SCRIPT_MIN_KEYS
+    if cluster and bulk:
+        # A script over many keys is cross-slot on a cluster: one plain pipeline per primary.
+        _set_per_node(cast(RedisCluster, client), future)
+    scripted = bulk and not cluster
     for key, due_ms in items:
         if due_ms <= now_ms:
             # Already due: a plain SET, then a lookup right behind it so Redis expires it now.
             pipe.set(key, b"", pxat=max(due_ms, 1))
             pipe.exists(key)
         else:
-            if not scripted:
+            if not bulk:
                 pipe.set(key, b"", pxat=due_ms)
             if due_ms <= horizon:
                 soon.append(f"{due_ms} {key}")
@@ -69,13 +77,38 @@ def arm_keys(
             script(keys=[k for k, _ in chunk], args=[dues], client=pipe)
     channel = wake_channel(redis_db(client), settings.key_prefix)
     for start in range(0, len(soon), _WAKE_ENTRIES_PER_MESSAGE):
-        pipe.publish(channel, "\n".join(soon[start : start + _WAKE_ENTRIES_PER_MESSAGE]))
+        message = "\n".join(soon[start : start + _WAKE_ENTRIES_PER_MESSAGE])
+        if cluster:
+            # Sharded: PUBLISH would be copied over the cluster bus to every node.
+            pipe.spublish(channel, message)
+        else:
+            pipe.publish(channel, message)
     pipe.execute()
 
 
+def _set_per_node(client: RedisCluster, items: Sequence[tuple[str, int]]) -> None:
+    """`SET key "" PXAT due` for many keys of a cluster: one plain pipeline per primary (a
+    cluster pipeline took ~1.6x as long for 10k SETs, measured). A slot that moved meanwhile
+    (MOVED, ASK) or a node that failed over sends the lot again through the cluster pipeline,
+    which follows redirections (the SETs are idempotent)."""
+    try:
+        for node, positions in by_node(client, [key for key, _ in items]):
+            pipe = node.pipeline(transaction=False)
+            for i in positions:
+                pipe.set(items[i][0], b"", pxat=items[i][1])
+            pipe.execute()
+    except redis.RedisError:
+        pipe = client.pipeline(transaction=False)  # type: ignore[no-untyped-call]
+        for key, due_ms in items:
+            pipe.set(key, b"", pxat=due_ms)
+        pipe.execute()
+
+
 def redis_db(client: redis.Redis) -> int:
-    """The database number the client uses (for the keyevent and wake channel names)."""
-    return int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
+    """The database number the client uses (for the keyevent and wake channel names); a
+    cluster client has no pool of its own and only database 0."""
+    pool = getattr(client, "connection_pool", None)
+    return 0 if pool is None else int(pool.connection_kwargs.get("db", 0) or 0)
 
 
 def parse_wake(payload: bytes | str) -> Iterator[tuple[str, int]]:

@@ -39,7 +39,9 @@ TasksOpt = typer.Option(
 def _global(
     ctx: typer.Context,
     redis_url: str = typer.Option(
-        None, envvar="KEYEXPIRY_REDIS_URL", help="redis:// or rediss:// URL; empty: embedded."
+        None,
+        envvar="KEYEXPIRY_REDIS_URL",
+        help="redis://, rediss:// or redis+cluster://host:port,… URL; empty: embedded.",
     ),
     database_url: str = typer.Option(
         None, envvar="KEYEXPIRY_DATABASE_URL", help="SQLAlchemy URL; empty: SQLite in state dir."
@@ -157,7 +159,12 @@ def listen(
     ctx: typer.Context,
     tasks: str = TasksOpt,
     concurrency: int = typer.Option(
-        None, envvar="KEYEXPIRY_CONCURRENCY", help="Handlers run at once."
+        None, envvar="KEYEXPIRY_CONCURRENCY", help="Handlers run at once (worker threads)."
+    ),
+    async_concurrency: int = typer.Option(
+        None,
+        envvar="KEYEXPIRY_ASYNC_CONCURRENCY",
+        help="async def handlers run at once (coroutines on the listener's event loop).",
     ),
     configure_redis: bool = typer.Option(
         False, "--configure-redis", help="Turn on notify-keyspace-events Ex if it is off."
@@ -177,6 +184,7 @@ def listen(
         ctx,
         tasks=_tasks(tasks),
         concurrency=concurrency,
+        async_concurrency=async_concurrency,
         configure_redis=configure_redis or None,
         http=http,
     )
@@ -607,11 +615,14 @@ def bench(
     scenario: list[str] = typer.Option(
         None,
         "--scenario",
-        help="steady, sparse, burst, throughput, create, listeners (default: all).",
+        help="steady, sparse, burst, throughput, create, listeners (the default: all six); "
+        "ledger, aio, cluster (only when named).",
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
     backend: str = typer.Option("mariadb", "--backend", help="mariadb or sqlite."),
-    quick: bool = typer.Option(False, "--quick", help="A fifth of the sizes."),
+    quick: bool = typer.Option(
+        False, "--quick", help="A fifth of the sizes (ledger: 1 M rows, not 10 M)."
+    ),
     out: Path = typer.Option(Path("bench-results/latest.json"), "--json", help="Write here."),
     peers: bool = typer.Option(
         True,
@@ -621,9 +632,9 @@ def bench(
 ) -> None:
     """Benchmark against real servers started for the run (redis-server, and mariadbd for the
     mariadb backend, from the system)."""
-    from keyexpiry.bench.run import SCENARIOS, run
+    from keyexpiry.bench.run import DEFAULT_SCENARIOS, SCENARIOS, run
 
-    names = list(scenario or SCENARIOS)
+    names = list(scenario or DEFAULT_SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown or backend not in ("mariadb", "sqlite"):
         raise ConfigError(f"unknown scenario/backend: {unknown or backend}")

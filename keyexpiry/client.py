@@ -13,7 +13,7 @@ from sqlalchemy import Connection
 
 from keyexpiry import limits
 from keyexpiry.errors import ArgumentError, RedisUnavailableError, UnknownTaskError
-from keyexpiry.keys import clip, format_key
+from keyexpiry.keys import braces_unescaped, clip, format_key
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
 from keyexpiry.settings import Settings
@@ -154,7 +154,9 @@ class Client:
         With `tx`, in the caller's transaction: the key is deleted once that commits, and a
         rollback leaves the task pending."""
         spec = self.spec(target)
-        keys = {self.key_for(target, *args)}
+        key = self.key_for(target, *args)
+        # Before braces were escaped (a hash tag on a cluster), such a key had them literally.
+        keys = {key, braces_unescaped(key, self.settings.key_prefix)}
         # A task created before keys were canonical may still be pending under its old spelling.
         keys.add(
             format_key(

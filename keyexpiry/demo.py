@@ -27,6 +27,7 @@ DEMO_MODULES = (
     "keyexpiry.examples.orders",
     "keyexpiry.examples.auctions",
     "keyexpiry.examples.refunds",
+    "keyexpiry.examples.reminders",
 )
 """The repository's tasks/, shipped in the wheel as keyexpiry.examples."""
 
@@ -55,6 +56,7 @@ def run_demo(settings: Settings, *, timeout_s: float = 60.0) -> bool:
         soon = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
         keys = client.create_many(
             [
+                TaskRequest("PaymentReminder.remind", (218,), ttl_ms=500),
                 TaskRequest("OrderTimeout.close_unpaid", (218,), ttl_s=1),
                 TaskRequest("OrderTimeout.close_unpaid", (219,), ttl_ms=1500),
                 TaskRequest("AuctionEnd.end", (42,), at=soon),
@@ -65,7 +67,7 @@ def run_demo(settings: Settings, *, timeout_s: float = 60.0) -> bool:
         )
         cancelled = client.create("OrderTimeout.close_unpaid", 220, ttl_s=2)
         client.cancel("OrderTimeout.close_unpaid", 220)
-        typer.echo(f"created {len(keys)} tasks due in 1-3.5 s, and cancelled {cancelled}:")
+        typer.echo(f"created {len(keys)} tasks due in 0.5-3.5 s, and cancelled {cancelled}:")
         for key in keys:
             typer.echo(f"  {key}")
         deadline = time.monotonic() + timeout_s
@@ -87,9 +89,10 @@ def run_demo(settings: Settings, *, timeout_s: float = 60.0) -> bool:
             orders = conn.execute(select(schema.order.c.id, schema.order.c.status)).all()
             sale = conn.execute(select(schema.after_sale.c.status)).scalar()
             auction = conn.execute(select(schema.auction.c.status)).scalar()
+            reminded = conn.execute(select(schema.reminder.c.order_id)).scalars().all()
         typer.echo(
             f"\nbusiness data now: orders {dict((i, s) for i, s in orders)}, "
-            f"auction 42 {auction}, after-sale 7 {sale}"
+            f"auction 42 {auction}, after-sale 7 {sale}, reminded orders {list(reminded)}"
         )
         typer.echo("AuctionEnd@end@404 is dead on purpose: its handler raises DoNotRetry.")
         return ok

@@ -4,6 +4,7 @@ The dispatcher only composes and orchestrates; the work is in its parts, each on
 own so the subscription never waits on the database or a handler:
 - `claimer`: keys queued once each, claimed in batches (one transaction per batch);
 - `executor`: a bounded pool of workers runs handlers; a watchdog fails runs past their timeout;
+- `coroutines`: `async def` handlers, awaited on an event loop of their own;
 - `recorder`: outcomes written in batches, retries re-armed;
 - `inflight`: the claimed runs and queued outcomes they share, under one condition.
 """
@@ -41,7 +42,9 @@ class Dispatcher:
         self.thread_errors = threads.ThreadErrors()
         """Unexpected exceptions the dispatcher's threads survived."""
         self._stopped = threading.Event()
-        self.inflight = InFlight(rt.settings.concurrency, rt.settings.claim_batch)
+        self.inflight = InFlight(
+            rt.settings.concurrency, rt.settings.claim_batch, rt.settings.async_concurrency
+        )
         self.claimer = Claimer(rt, self.inflight, self.stats, self.thread_errors)
         self.executor = Executor(rt, self.inflight, self.stats, self.thread_errors, self._stopped)
         self.watchdog = Watchdog(rt, self.executor, self.stats)
@@ -75,6 +78,7 @@ class Dispatcher:
                 break
             if item is not None:
                 unstarted.append(item)
+        unstarted += self.executor.coroutines.withdraw()  # waiting for a coroutine slot
         self._release(unstarted)
         for _ in range(self.settings.concurrency):
             inflight.runq.put(None)
@@ -94,6 +98,7 @@ class Dispatcher:
             while inflight.recording and monotonic_s() < flush_deadline:
                 inflight.cond.wait(0.05)
         self._stopped.set()
+        self.executor.coroutines.close()
         with inflight.cond:
             inflight.cond.notify_all()
 

@@ -9,7 +9,12 @@ import redis
 from sqlalchemy import text
 
 from keyexpiry.errors import KeyExpiryError, RedisConfigError
-from keyexpiry.redis_server import check_notifications, config_value, eviction_warning
+from keyexpiry.redis_server import (
+    check_notifications,
+    check_replica_notifications,
+    config_value,
+    eviction_warning,
+)
 from keyexpiry.runtime import Runtime
 from keyexpiry.sentinel import follows_sentinel, master_address, prepare_replicas, sentinel_pool
 from keyexpiry.store import Store
@@ -36,7 +41,9 @@ def run_checks(rt: Runtime, *, fix: bool = False) -> list[Check]:
     except redis.RedisError as exc:
         checks.append(Check("redis", "fail", f"not reachable: {exc}"))
         info = None
-    if info is not None:
+    if info is not None and rt.cluster is not None:
+        checks.extend(_cluster_checks(rt, fix=fix))
+    elif info is not None:
         try:
             warning = check_notifications(client, configure=fix)
             flags = config_value(client, "notify-keyspace-events")
@@ -93,6 +100,55 @@ def _sentinel_checks(client: redis.Redis, *, fix: bool) -> list[Check]:
         )
     ]
     checks += [Check(f.name, f.status, f.detail) for f in findings]
+    return checks
+
+
+def _cluster_checks(rt: Runtime, *, fix: bool) -> list[Check]:
+    """Every node of the cluster: notifications on each primary and each replica (a replica
+    promoted later must already announce expiries), eviction policy on each primary."""
+    assert rt.cluster is not None
+    try:
+        topology = rt.cluster.topology()
+    except redis.RedisError as exc:
+        return [Check("cluster", "fail", f"cannot read the slot table: {exc}")]
+    checks = [Check("cluster", "ok", f"{len(topology.nodes)} nodes: {topology.describe()}")]
+    failures, warnings, evictions = [], [], []
+    for address in topology.nodes:
+        client = rt.cluster.admin(address)
+        try:
+            if address in topology.slots:
+                warning = check_notifications(client, configure=fix)
+                eviction = eviction_warning(client)
+                if eviction:
+                    evictions.append(f"{address}: {eviction}")
+            else:
+                warning = check_replica_notifications(client, configure=fix)
+                if warning and not fix:
+                    failures.append(f"{address} (replica): {warning}")
+                    continue
+            if warning:
+                warnings.append(f"{address}: {warning}")
+        except RedisConfigError as exc:
+            failures.append(f"{address}: {exc}")
+        except redis.RedisError as exc:
+            failures.append(f"{address}: not reachable ({exc})")
+    if failures:
+        checks.append(Check("notifications", "fail", "; ".join(failures)))
+    elif warnings:
+        checks.append(Check("notifications", "warn", "; ".join(warnings)))
+    else:
+        checks.append(
+            Check(
+                "notifications",
+                "ok",
+                f"expired and evicted announced on all {len(topology.nodes)} nodes",
+            )
+        )
+    checks.append(
+        Check("eviction", "warn", "; ".join(evictions))
+        if evictions
+        else Check("eviction", "ok", "maxmemory-policy=noeviction (or unreadable) on every primary")
+    )
     return checks
 
 

@@ -20,10 +20,13 @@ from __future__ import annotations
 import heapq
 import threading
 from collections.abc import Iterable
+from typing import cast
 
 import redis
 from loguru import logger
+from redis.cluster import RedisCluster
 
+from keyexpiry.cluster import by_node
 from keyexpiry.errors import StoreError
 from keyexpiry.keys import driver_lock_key
 from keyexpiry.runtime import Runtime
@@ -198,10 +201,30 @@ class ExpiryDriver:
             # A full read stops at its last due time, so nothing between is skipped.
             self._horizon_ms = rows[-1][1] if len(rows) == room else upto
 
+    def _pttl_each(self, keys: list[str]) -> list[int]:
+        if self.rt.cluster is None:
+            return list(self._pttls(keys=keys))
+        # Keys of many slots: a script cannot span them. One plain pipeline per primary; a
+        # slot that moved meanwhile (MOVED) goes through the cluster pipeline, which follows it.
+        out = [0] * len(keys)
+        try:
+            for node, positions in by_node(cast(RedisCluster, self.redis), keys):
+                pipe = node.pipeline(transaction=False)
+                for i in positions:
+                    pipe.pttl(keys[i])
+                for i, pttl in zip(positions, pipe.execute(), strict=True):
+                    out[i] = int(pttl)
+        except redis.ResponseError:
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.pttl(key)
+            return [int(p) for p in pipe.execute()]
+        return out
+
     def _look_up(self, due: list[tuple[int, str]], now_ms: int) -> None:
         for start in range(0, len(due), _LOOKUP_BATCH):
             chunk = due[start : start + _LOOKUP_BATCH]
-            results = self._pttls(keys=[key for _, key in chunk])
+            results = self._pttl_each([key for _, key in chunk])
             self.lookups += len(chunk)
             self.passes += start == 0
             again: list[tuple[int, str]] = []

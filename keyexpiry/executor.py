@@ -3,16 +3,19 @@ their timeout, and each ended run becomes an outcome (done, retry at a time, or 
 
 from __future__ import annotations
 
+import inspect
 import threading
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
 from keyexpiry import limits, retries, threads
 from keyexpiry.clock import monotonic_s
 from keyexpiry.context import TaskContext, set_current
+from keyexpiry.coroutines import CoroutineRunner
 from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
 from keyexpiry.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.results import encode_result
@@ -81,7 +84,11 @@ def failed(rt: Runtime, run: ClaimedRun, error: str, *, delay_s: float | None = 
 
 
 class Executor:
-    """The worker pool: each worker takes a claimed run, calls its handler, queues the outcome."""
+    """The worker pool: each worker takes a claimed run, calls its handler, queues the outcome.
+
+    A run of an `async def` handler is handed to `coroutines` instead: the worker does not wait
+    for it, so coroutines in flight are bounded by `async_concurrency`, not by the workers.
+    """
 
     def __init__(
         self,
@@ -97,6 +104,8 @@ class Executor:
         self.errors = errors
         self.stopped = stopped
         self.threads: list[threading.Thread] = []
+        self.coroutines = CoroutineRunner(self, rt.settings.async_concurrency)
+        """Where `async def` handlers run: an event loop on a thread of its own."""
 
     def spawn_worker(self) -> None:
         """One more worker (at start, and to replace one abandoned to a hung handler)."""
@@ -110,15 +119,17 @@ class Executor:
             if run is None:
                 return
             try:
-                if self._execute(run):
+                if run.spec.is_async:
+                    self.coroutines.submit(run)  # never waits: the worker takes the next run
+                elif self._execute(run):
                     return  # timed out: the watchdog started a replacement; this thread retires
             except Exception as exc:
-                self._run_broke(run, exc)
+                self.run_broke(run, exc)
 
-    def _run_broke(self, run: ClaimedRun, exc: Exception) -> None:
+    def run_broke(self, run: ClaimedRun, exc: Exception) -> None:
         """Something other than the handler raised around a run (a bug, or a value that slipped
         past every check): count it, record the run as failed if that still works, else leave
-        it to its lease. The worker lives on either way."""
+        it to its lease. The worker (or the event loop) lives on either way."""
         self.errors.add("worker")
         log = logger.bind(key=run.row.key, attempt=run.row.attempts)
         log.opt(exception=exc).error("unexpected error around this run; the worker carries on")
@@ -132,50 +143,119 @@ class Executor:
         self.inflight.add_outcome(outcome)
 
     def _execute(self, run: ClaimedRun) -> bool:
-        """Run one claimed task; True when the watchdog abandoned it (this thread retires)."""
+        """Run one claimed task with a sync handler; True when the watchdog abandoned it (this
+        thread retires)."""
+        prepared = self.begin(run)
+        if prepared is None:
+            return False
+        call, ctx = prepared
+        if run.spec.options.transactional:
+            return self._execute_in_transaction(run, call, ctx)
+        return not self.finish(run, self._call(run, call, ctx))
+
+    def _call(self, run: ClaimedRun, call: Callable[[], Any], ctx: TaskContext) -> Outcome:
+        """Call a sync handler with `ctx` as its `current()`; what it returned or raised, as an
+        outcome."""
+        result: object = None
+        error: BaseException | None = None
+        set_current(ctx)
+        try:
+            # Every line the handler logs carries its key and attempt too.
+            with logger.contextualize(key=ctx.key, attempt=ctx.attempt):
+                result = call()
+            if inspect.isawaitable(result):
+                _discard(result)
+                error = TypeError("the handler returned an awaitable: declare it `async def`")
+        except Exception as exc:
+            error = exc
+        finally:
+            set_current(None)
+        return self.settle(run, result, error)
+
+    def _execute_in_transaction(
+        self, run: ClaimedRun, call: Callable[[], Any], ctx: TaskContext
+    ) -> bool:
+        """`_execute` for a transactional handler (`keyexpiry.transactional`)."""
+        outcome = run_in_transaction(
+            self.rt,
+            run,
+            self.inflight,
+            lambda conn: self._call(run, call, replace(ctx, transaction=conn)),
+            lambda why: failed(self.rt, run, why),
+        )
+        if outcome is None:  # rolled back, nothing to record here
+            if not self.inflight.broke(run):  # out of flight already: the watchdog failed it
+                logger.bind(key=ctx.key, attempt=ctx.attempt).warning(
+                    "abandoned run returned after its timeout; its transaction is rolled back"
+                )
+                return True
+            self._stats.claims_lost += 1
+            return False
+        return not self.finish(run, outcome)
+
+    def begin(self, run: ClaimedRun) -> tuple[Callable[[], Any], TaskContext] | None:
+        """What comes before any handler call, sync or async: the lease made to cover the run,
+        the run marked started (the watchdog times it from here), its arguments decoded.
+
+        Returns the handler call (arguments bound) and its context; None when the run ended
+        here: its claim was lost (dropped), or its row cannot run (recorded dead).
+        """
         row = run.row
         log = logger.bind(key=row.key, attempt=row.attempts)
         started_ms = self.rt.clock.now_ms()
         if not self._lease_covers(run, started_ms, log):
             self.inflight.dropped()
-            return False
+            return None
         self.inflight.started(run)
-        task = run.spec.label
-        self.rt.metrics.started(task, started_ms - row.due_at_ms)
-        outcome: Outcome
+        self.rt.metrics.started(run.spec.label, started_ms - row.due_at_ms)
         try:
             if row.problem is not None:
                 raise ArgumentError(f"ledger row {row.id}: {row.problem}")
             args = run.spec.decode_args(row.args)
         except KeyExpiryError as exc:
-            outcome = ended(self.rt, run, TaskStatus.DEAD, f"not runnable: {exc}")
             log.error("not runnable: {}", exc)
-        else:
-            ctx = TaskContext(
-                row.key, row.attempts, row.due_at_ms, self.rt.store.engine, started_ms
-            )
-            if run.spec.options.transactional:
-                in_tx = run_in_transaction(
-                    self.rt,
-                    run,
-                    self.inflight,
-                    lambda conn: self._call(run, args, replace(ctx, transaction=conn), log),
-                    lambda why: failed(self.rt, run, why),
-                )
-                if in_tx is None:
-                    if not self.inflight.broke(run):  # out of flight already: timed out
-                        log.warning("abandoned run returned after its timeout; rolled back")
-                        return True
-                    self._stats.claims_lost += 1
-                    return False
-                outcome = in_tx
-            else:
-                outcome = self._call(run, args, ctx, log)
+            self.finish(run, ended(self.rt, run, TaskStatus.DEAD, f"not runnable: {exc}"))
+            return None
+        ctx = TaskContext(row.key, row.attempts, row.due_at_ms, self.rt.store.engine, started_ms)
+        spec = run.spec
+
+        def call() -> Any:
+            # The instance is made inside the call: a constructor that raises is the handler's
+            # failure, retried like any other.
+            return spec.bind()(*args)
+
+        return call, ctx
+
+    def settle(self, run: ClaimedRun, result: object, error: BaseException | None) -> Outcome:
+        """What an ended handler call becomes, the same for sync and async handlers: returned
+        (done), or raised (retried on the schedule, or dead: `DoNotRetry`, out of attempts).
+
+        `result` is the handler's return value, kept with the row (`succeeded`).
+        """
+        log = logger.bind(key=run.row.key, attempt=run.row.attempts)
+        if error is None:
+            return succeeded(self.rt, run, result)
+        if isinstance(error, DoNotRetry):
+            log.warning("failed, not retrying: {}", error)
+            return ended(self.rt, run, TaskStatus.DEAD, f"DoNotRetry: {error}")
+        if isinstance(error, Retry):
+            return failed(self.rt, run, f"Retry: {error}", delay_s=error.delay_s)
+        text = "".join(traceback.format_exception(error))[-_ERROR_MAX_CHARS:]
+        log.opt(exception=error).warning("handler raised {}: {}", type(error).__name__, error)
+        return failed(self.rt, run, text)
+
+    def finish(self, run: ClaimedRun, outcome: Outcome) -> bool:
+        """Queue a started run's outcome; False when the watchdog already failed it (the
+        outcome is discarded)."""
+        row = run.row
+        log = logger.bind(key=row.key, attempt=row.attempts)
         if not self.inflight.finished(run, outcome):
             log.warning("abandoned run returned after its timeout; its result is discarded")
-            return True
+            return False
         assert run.started_s is not None
-        self.rt.metrics.ended(task, _OUTCOME_NAMES[outcome.status], monotonic_s() - run.started_s)
+        self.rt.metrics.ended(
+            run.spec.label, _OUTCOME_NAMES[outcome.status], monotonic_s() - run.started_s
+        )
         if outcome.status is TaskStatus.DONE and outcome.finished_at_ms is not None:
             late_ms = (row.started_at_ms or 0) - row.due_at_ms
             log.bind(late_ms=late_ms).info(
@@ -183,30 +263,7 @@ class Executor:
                 outcome.finished_at_ms - (row.started_at_ms or outcome.finished_at_ms),
                 late_ms,
             )
-        return False
-
-    def _call(
-        self, run: ClaimedRun, args: tuple[object, ...], ctx: TaskContext, log: Logger
-    ) -> Outcome:
-        """Call the handler with `ctx` as its `current()`; what it returned or raised, as an
-        outcome."""
-        set_current(ctx)
-        try:
-            # Every line the handler logs carries its key and attempt too.
-            with logger.contextualize(key=ctx.key, attempt=ctx.attempt):
-                value = run.spec.bind()(*args)
-        except DoNotRetry as exc:
-            log.warning("failed, not retrying: {}", exc)
-            return ended(self.rt, run, TaskStatus.DEAD, f"DoNotRetry: {exc}")
-        except Retry as exc:
-            return failed(self.rt, run, f"Retry: {exc}", delay_s=exc.delay_s)
-        except Exception as exc:
-            text = "".join(traceback.format_exception(exc))[-_ERROR_MAX_CHARS:]
-            log.opt(exception=exc).warning("handler raised {}: {}", type(exc).__name__, exc)
-            return failed(self.rt, run, text)
-        finally:
-            set_current(None)
-        return succeeded(self.rt, run, value)
+        return True
 
     def _lease_covers(self, run: ClaimedRun, now_ms: int, log: Logger) -> bool:
         """Make sure the claim's lease outlasts this run; False if the claim was lost meanwhile.
@@ -237,8 +294,8 @@ class Executor:
 
 
 class Watchdog:
-    """Fails runs past their timeout (Python cannot kill a thread: the hung one is abandoned and
-    a fresh worker takes its slot)."""
+    """Fails runs past their timeout: a coroutine is cancelled; a thread cannot be killed in
+    Python, so a hung one is abandoned and a fresh worker takes its slot."""
 
     def __init__(self, rt: Runtime, executor: Executor, stats: DispatchStats) -> None:
         self.rt = rt
@@ -261,11 +318,14 @@ class Watchdog:
             self.rt.metrics.ended(run.spec.label, "timeout", run.timeout_s)
             log = logger.bind(key=run.row.key, attempt=run.row.attempts)
             log.error(
-                "handler exceeded its timeout of {:g} s; recorded as failed "
-                "(its thread is abandoned)",
+                "handler exceeded its timeout of {:g} s; recorded as failed ({})",
                 run.timeout_s,
+                "its coroutine is cancelled" if run.spec.is_async else "its thread is abandoned",
             )
-            self._executor.spawn_worker()
+            if run.spec.is_async:
+                self._executor.coroutines.cancel(run)
+            else:
+                self._executor.spawn_worker()
             end_tx = run.end_tx
             if run.tx_taken and end_tx is not None:
                 try:
@@ -285,3 +345,10 @@ class Watchdog:
                 continue
             self.inflight.add_outcome(outcome)
         return next_deadline
+
+
+def _discard(awaitable: Awaitable[Any]) -> None:
+    """Close a coroutine that will never be awaited (no "never awaited" warning)."""
+    close = getattr(awaitable, "close", None)
+    if callable(close):
+        close()

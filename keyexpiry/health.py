@@ -5,11 +5,13 @@ event announced."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import redis
 from loguru import logger
 
+from keyexpiry.clock import monotonic_s
 from keyexpiry.keys import canary_key, sentinel_key
 from keyexpiry.reconcile import Reconciler
 from keyexpiry.redis_server import REPLICA_PROBLEM
@@ -18,6 +20,8 @@ from keyexpiry.settings import mask_url
 
 _CANARY_PATIENCE_S = 30.0
 """How long the canary's event may lag behind a stream of other expired events."""
+_CANARY_LOOKUPS = 20
+"""Lookups that expire the canary, a millisecond apart (see `Health._expire_canaries`)."""
 
 
 class Health:
@@ -51,6 +55,8 @@ class Health:
         self.canaries_seen = 0
         self.canary = canary_key(rt.owner, rt.settings.key_prefix)
         self._canary_seen = threading.Event()
+        self._canaries_pending: dict[bytes, str] = {}
+        """Canary keys sent and not heard back yet (one per cluster primary), and their tag."""
         self._canary_sent_s: float | None = None
         self._canary_first_sent_s = 0.0  # when the canary now awaited was first sent
         self._canary_events = 0  # events heard when the canary went out
@@ -58,10 +64,15 @@ class Health:
         self._last_canary_s = 0.0
 
     # --- what the subscription reports --------------------------------------------------------
-    def canary_arrived(self, *, expired: bool) -> None:
-        """Our canary's event came back (expired, or evicted before it could)."""
+    def canary_arrived(self, *, expired: bool, key: bytes | None = None) -> None:
+        """Our canary's event came back (expired, or evicted before it could); on a cluster,
+        once every primary's canary (`key`) has."""
         if expired:
             self.canaries_seen += 1
+        if key is not None:
+            self._canaries_pending.pop(key, None)
+            if self._canaries_pending:
+                return
         self._canary_seen.set()
 
     def connection_gap(self) -> None:
@@ -81,10 +92,19 @@ class Health:
             return
         interval_ms = int(self.rt.settings.sentinel_interval_s * 1000)
         pipe = self.rt.redis.pipeline(transaction=False)
-        for i in range(1, count + 1):
-            key = sentinel_key(i, self.rt.settings.key_prefix)
+        for i, key in self._sentinel_keys():
             pipe.set(key, b"", px=i * interval_ms, nx=not fresh)
         pipe.execute()
+
+    def _sentinel_keys(self) -> list[tuple[int, str]]:
+        """(index, key) of every sentinel: `sentinel_count` on each cluster primary (a data
+        loss on one node fires or removes its own), `sentinel_count` on a single server."""
+        prefix = self.rt.settings.key_prefix
+        return [
+            (i, sentinel_key(i, prefix) + tag)
+            for tag in self.rt.node_tags()
+            for i in range(1, self.rt.settings.sentinel_count + 1)
+        ]
 
     def regenerate_sentinels_if_needed(self) -> None:
         """Set a fresh batch once more than half of the sentinels have fired."""
@@ -92,11 +112,12 @@ class Health:
         if count == 0:
             return
         pipe = self.rt.redis.pipeline(transaction=False)
-        for i in range(1, count + 1):
-            pipe.exists(sentinel_key(i, self.rt.settings.key_prefix))
+        keys = self._sentinel_keys()
+        for _, key in keys:
+            pipe.exists(key)
         fired = sum(1 for present in pipe.execute() if not present)
-        if fired * 2 > count:
-            logger.info("{} of {} sentinels fired: setting a fresh batch", fired, count)
+        if fired * 2 > len(keys):
+            logger.info("{} of {} sentinels fired: setting a fresh batch", fired, len(keys))
             self.arm_sentinels(fresh=True)
 
     # --- the periodic self-check --------------------------------------------------------------
@@ -112,6 +133,7 @@ class Health:
           connected elsewhere), reconcile and set them again.
         """
         settings = self.rt.settings
+        began_s = monotonic_s()
         if now_s - self._last_lease_check_s >= settings.lease_check_s or not self.events_arriving:
             self._last_lease_check_s = now_s
             self._reconciler.requeue_expired_leases()
@@ -127,6 +149,9 @@ class Health:
                 )
         if not self.subscribed.is_set():
             return
+        # The queries above take long on a loaded ledger: a canary sent at a time already past
+        # would be judged lost before its event had the window it is due.
+        now_s += monotonic_s() - began_s
         self._check_canary(now_s)
         if self._canary_sent_s is None and (
             now_s - self._last_canary_s >= settings.canary_interval_s or not self.events_arriving
@@ -156,9 +181,11 @@ class Health:
             self._canary_sent_s = now_s
         elif now_s - self._canary_sent_s > 2.0:
             if self.events_arriving:
+                silent = ", ".join(sorted(self._canaries_pending.values()))
                 logger.error(
-                    "expired events are not arriving (notifications switched off, a replica, "
-                    "or a dead connection?): running due tasks from the ledger until they do"
+                    "expired events are not arriving{} (notifications switched off, a replica, "
+                    "or a dead connection?): running due tasks from the ledger until they do",
+                    f" from the primary serving {silent}" if silent else "",
                 )
             self.events_arriving = False
             self._canary_sent_s = None
@@ -171,16 +198,40 @@ class Health:
         self._canary_first_sent_s = now_s
         self._canary_events = self._events()
         client = self.rt.redis
+        # One canary per cluster primary (a hash tag puts each on its node): a node whose
+        # notifications are off is noticed like a single server's.
+        tags = self.rt.node_tags()
+        canaries = {(self.canary + tag).encode(): tag for tag in tags}
+        self._canaries_pending = dict(canaries) if self.rt.cluster is not None else {}
         pipe = client.pipeline(transaction=False)
-        pipe.set(self.canary, b"", px=1)
+        for key in canaries:
+            pipe.set(key, b"", px=1)
         pipe.execute()
-        client.pttl(self.canary)  # a lookup: expire it now, not at the next sweep
+        self._expire_canaries(client, list(canaries))
         count = self.rt.settings.sentinel_count
         if count:
-            keys = [sentinel_key(i, self.rt.settings.key_prefix) for i in range(1, count + 1)]
-            if int(client.exists(*keys)) * 2 < count:
+            keys = [key for _, key in self._sentinel_keys()]
+            if int(client.exists(*keys)) * 2 < len(keys):
                 logger.warning("sentinels vanished without firing: reconciling")
                 self._request_reconcile("sentinels missing")
+
+    def _expire_canaries(self, client: redis.Redis, keys: list[bytes]) -> None:
+        """Look the canaries up until Redis has expired them (and announced it) on the lookup.
+
+        A lookup within the millisecond of the SET finds a key not yet past due (PTTL 0 or 1)
+        and leaves it; Redis's own sweep samples random keys with a TTL and, among a million
+        task keys, may not reach it for many seconds: the canary's event would come too late
+        and look lost (a false "events are not arriving" alarm). Each try is ~1 ms apart.
+        """
+        left = keys
+        for _ in range(_CANARY_LOOKUPS):
+            pipe = client.pipeline(transaction=False)
+            for key in left:
+                pipe.pttl(key)
+            left = [k for k, ttl in zip(left, pipe.execute(), strict=True) if int(ttl) >= 0]
+            if not left:
+                return
+            time.sleep(0.001)
 
     def read_only(self, exc: redis.ReadOnlyError) -> None:
         """Redis refuses writes: a master demoted to replica (or a read-only replica from the

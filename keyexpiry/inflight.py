@@ -70,32 +70,42 @@ class DispatchStats:
 class InFlight:
     """Claimed runs (queued or running) and outcomes not yet recorded, under one condition."""
 
-    def __init__(self, concurrency: int, claim_batch: int) -> None:
+    def __init__(self, concurrency: int, claim_batch: int, async_limit: int = 100) -> None:
         self.cond = threading.Condition()
         self.runq: queue.SimpleQueue[ClaimedRun | None] = queue.SimpleQueue()
         self.count = 0
         """Claimed and not yet finished (queued or running)."""
         self.running: dict[int, ClaimedRun] = {}
+        self.coroutines = 0
+        """Runs of async handlers started and not finished (they hold no worker)."""
         self.outcomes: list[Outcome] = []
         self._first_outcome_s = 0.0  # when the oldest queued outcome was queued
         self.recording = 0
         """Outcomes taken by the recorder and not yet written."""
         self._concurrency = concurrency
         self._claim_batch = claim_batch
+        self._async_limit = async_limit
         self._run_s_avg: float | None = None  # moving average of handler run time
 
     def claim_limit(self) -> int:
-        """How many claimed runs may be in flight: the workers plus a short queue ahead of them.
+        """How many claimed runs may be in flight: the workers plus a short queue ahead of them,
+        plus room for coroutines.
 
-        The queue is sized from the measured run time so it holds about `_QUEUE_TARGET_S` of work:
-        hundreds for trivial handlers, none beyond the pool for slow ones.
+        The queue is sized from the measured run time of sync handlers so it holds about
+        `_QUEUE_TARGET_S` of work: hundreds for trivial handlers, none beyond the pool for slow
+        ones. Coroutines hold no worker: each running one widens the window by one, and by one
+        more while the loop has a free slot for it, so a burst of async tasks reaches
+        `async_concurrency` in a few doubling claims rather than a worker pool's worth at a time.
         """
         workers = self._concurrency
         avg = self._run_s_avg
-        if avg is None:
-            return workers * 2
-        ahead = int(workers * _QUEUE_TARGET_S / max(avg, 1e-4))
-        return workers + min(ahead, self._claim_batch)
+        ahead = (
+            workers
+            if avg is None
+            else min(int(workers * _QUEUE_TARGET_S / max(avg, 1e-4)), self._claim_batch)
+        )
+        running = self.coroutines
+        return workers + ahead + running + min(running, self._async_limit - running)
 
     def add_claimed(self, runs: list[ClaimedRun]) -> None:
         """Queue freshly claimed runs for the workers."""
@@ -109,6 +119,8 @@ class InFlight:
         with self.cond:
             run.started_s = monotonic_s()
             self.running[run.row.id] = run
+            if run.spec.is_async:
+                self.coroutines += 1
 
     def dropped(self, count: int = 1) -> None:
         """Claimed runs that will not run here (claim lost, released at shutdown)."""
@@ -121,13 +133,14 @@ class InFlight:
         with self.cond:
             if run.abandoned:
                 return False
-            self.running.pop(run.row.id, None)
-            self.count -= 1
+            self._leave(run)
             self._queue_outcome(outcome)
             assert run.started_s is not None
-            took_s = monotonic_s() - run.started_s
-            avg = self._run_s_avg
-            self._run_s_avg = took_s if avg is None else avg + 0.05 * (took_s - avg)
+            if not run.spec.is_async:
+                # A coroutine's time says nothing of how long a worker stays busy.
+                took_s = monotonic_s() - run.started_s
+                avg = self._run_s_avg
+                self._run_s_avg = took_s if avg is None else avg + 0.05 * (took_s - avg)
             self.cond.notify_all()
         return True
 
@@ -165,8 +178,7 @@ class InFlight:
                 return False
             if run.started_s is not None and run.row.id not in self.running:
                 return False
-            self.running.pop(run.row.id, None)
-            self.count -= 1
+            self._leave(run)
             self.cond.notify_all()
         return True
 
@@ -188,11 +200,16 @@ class InFlight:
             for run in late:
                 run.abandoned = True
                 run.tx_taken = run.end_tx is not None
-                self.running.pop(run.row.id, None)
-                self.count -= 1
+                self._leave(run)
             if late:
                 self.cond.notify_all()
         return late, next_deadline
+
+    def _leave(self, run: ClaimedRun) -> None:
+        """`run` is out of flight (under the condition)."""
+        self.count -= 1
+        if self.running.pop(run.row.id, None) is not None and run.spec.is_async:
+            self.coroutines -= 1
 
     def add_outcome(self, outcome: Outcome) -> None:
         """Queue an outcome decided outside a worker (timeout, failure around a run)."""

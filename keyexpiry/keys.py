@@ -17,8 +17,12 @@ SEPARATOR = "@"
 MAX_KEY_BYTES = 512
 """Longest task key accepted, prefix included; the ledger's unique index is sized for it."""
 
-# Printable ASCII that needs no escaping; `@` separates, `%` escapes, space would confuse shells.
-_SAFE = "!$&'()*+,-./:;<=>?[]^_`{|}~#"
+# Printable ASCII that needs no escaping; `@` separates, `%` escapes, space would confuse shells,
+# and `{` `}` would make a Redis Cluster hash the key by what they enclose (a hash tag): a user
+# argument must not pile tasks onto one slot.
+_SAFE = "!$&'()*+,-./:;<=>?[]^_`|~#"
+_LEGACY_SAFE = _SAFE + "{}"
+"""What keys were escaped with before braces were: such keys (tasks created then) still parse."""
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 _ESCAPED = re.compile(r"(?:[A-Za-z0-9!$&'()*+,\-./:;<=>?\[\]^_`{|}~#]|%[0-9A-F]{2})*\Z")
 
@@ -72,10 +76,10 @@ def check_name(name: str, what: str) -> str:
     return name
 
 
-def escape_arg(arg: str) -> str:
+def escape_arg(arg: str, *, safe: str = _SAFE) -> str:
     """Percent-escape one argument for use inside a key."""
     try:
-        return quote(arg, safe=_SAFE, encoding="utf-8", errors="strict")
+        return quote(arg, safe=safe, encoding="utf-8", errors="strict")
     except UnicodeEncodeError:
         # Lone surrogates: what Python makes of command-line bytes that are not UTF-8.
         raise KeyFormatError(
@@ -123,10 +127,25 @@ def parse_key(key: str, *, prefix: str = "") -> TaskKey:
     method = check_name(parts[1], "method name")
     args = tuple(unescape_arg(p) for p in parts[2:])
     parsed = TaskKey(class_name, method, args)
-    # One task, one key: a key spelled differently for the same arguments is not ours.
-    if parsed.format(prefix) != key:
+    # One task, one key: a key spelled differently for the same arguments is not ours. A key
+    # with literal braces was canonical before braces were escaped: it still names its task.
+    if parsed.format(prefix) != key and not (
+        ("{" in key or "}" in key) and _legacy_format(parsed, prefix) == key
+    ):
         raise KeyFormatError("key is not in canonical form (escaping differs)")
     return parsed
+
+
+def braces_unescaped(key: str, prefix: str = "") -> str:
+    """`key` as it was spelled before `{` and `}` were escaped (a task created then is still
+    pending under that key). `%7B`/`%7D` in an escaped key only ever stand for braces."""
+    rest = key[len(prefix) :].replace("%7B", "{").replace("%7D", "}")
+    return prefix + rest
+
+
+def _legacy_format(parsed: TaskKey, prefix: str) -> str:
+    args = (escape_arg(a, safe=_LEGACY_SAFE) for a in parsed.args)
+    return prefix + SEPARATOR.join([parsed.class_name, parsed.method, *args])
 
 
 _CLASS_HEAD = re.compile(rb"([A-Za-z][A-Za-z0-9_]*)@")

@@ -16,6 +16,7 @@ from typing import Any
 from loguru import logger
 
 from keyexpiry.clock import monotonic_s
+from keyexpiry.cluster_subscription import ClusterSubscription
 from keyexpiry.dispatch import Dispatcher
 from keyexpiry.driver import ExpiryDriver
 from keyexpiry.endpoints import Endpoints
@@ -53,7 +54,11 @@ class Listener:
         self.redis, self.clock, self.owner = rt.redis, rt.clock, rt.owner
         self._stop = threading.Event()
         self.dispatcher = Dispatcher(rt)
-        self.reconciler = Reconciler(rt, submit=self.dispatcher.submit)
+        self.reconciler = Reconciler(
+            rt,
+            submit=self.dispatcher.submit,
+            mine=lambda key: self.fleet.partition.owns_key(key, rt.settings.key_prefix),
+        )
         self.driver = ExpiryDriver(rt)
         self.fleet = Fleet(
             rt,
@@ -86,8 +91,10 @@ class Listener:
             self_check=lambda now_s: self._self_check(now_s),
             stop=self._stop,
             errors=self.thread_errors,
+            backlog=self.dispatcher.backlog,
         )
-        self.subscription = Subscription(
+        kind = Subscription if rt.cluster is None else ClusterSubscription
+        self.subscription = kind(
             rt,
             self.health,
             Handlers(

@@ -13,13 +13,21 @@ from keyexpiry import retention
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.health import Health
-from keyexpiry.reconcile import Reconciler
+from keyexpiry.reconcile import PendingWalk, Reconciler
 from keyexpiry.rows import TaskStatus
 from keyexpiry.runtime import Runtime
 from keyexpiry.threads import Backoff, ThreadErrors
 
 _PRUNE_BATCHES = 10
 """At most this many batches of 1,000 rows per prune round (each its own short transaction)."""
+_WALK_PAGE_ROWS = 500
+"""Keys per page of the walk over rows due later: a few ms of this process's time each."""
+_WALK_PACE = 1.0
+"""After each page of that walk the thread rests as long as the page took: the walk takes at
+most about half of one thread's time (so about twice its unpaced length), and the interpreter
+and the ledger are free in between for the claimer, the workers and the subscription."""
+_WALK_BUSY_WAIT_S = 0.02
+"""While keys wait for the claimer, the walk waits in steps of this: due work goes first."""
 _EXPECTED = (StoreError, redis.RedisError, OSError)
 """Outages: logged in one line and retried. Anything else is a bug: traceback and count."""
 
@@ -36,6 +44,7 @@ class Maintenance:
         self_check: Callable[[float], None],
         stop: threading.Event,
         errors: ThreadErrors,
+        backlog: Callable[[], int] = lambda: 0,
     ) -> None:
         self.rt = rt
         self._reconciler = reconciler
@@ -43,6 +52,13 @@ class Maintenance:
         self._self_check = self_check
         self._stop = stop
         self._errors = errors
+        self._backlog = backlog
+        self._walk: PendingWalk | None = None
+        """The walk over rows due later of the reconciliation under way, if any."""
+        self._next_walk: PendingWalk | None = None
+        """The walk of a reconciliation asked for during `_walk`, run when that one ends (the
+        first such: it starts earliest in due order; later ones' urgent parts were done)."""
+        self._last_check_s = 0.0
         self._wanted = threading.Event()
         self._idle = threading.Event()
         self.schema_ready = False
@@ -75,12 +91,25 @@ class Maintenance:
             logger.error("ledger not reachable at start-up ({}); retrying", exc)
 
     def loop(self) -> None:
-        """Until `stop`: reconcile when asked, else self-check every second."""
+        """Until `stop`: reconcile when asked, else self-check every second.
+
+        A reconciliation does its urgent part at once (`Reconciler.start`: leases, rows due
+        within minutes), then walks the rows due later a paced page at a time, yielding to due
+        work, with the self-check every second in between. A request during the walk does its
+        urgent part at once and walks once more after this walk (requests coalesce).
+        """
         settings = self.rt.settings
         backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
+        check_every_s = min(1.0, settings.lease_check_s)
         self._health.started(monotonic_s())
+        self._last_check_s = monotonic_s()
         while not self._stop.is_set():
-            if not self._wanted.wait(min(1.0, settings.lease_check_s)):
+            if self._walk is not None and not self._wanted.is_set():
+                if monotonic_s() - self._last_check_s >= check_every_s:
+                    self._check()
+                self._walk_step(backoff)
+                continue
+            if not self._wanted.wait(check_every_s):
                 self._idle.set()
                 self._check()
                 continue
@@ -92,14 +121,15 @@ class Maintenance:
                     # A database that was down at start-up: retried here until it answers.
                     self.rt.store.create_schema()
                     self.schema_ready = True
-                report = self._reconciler.run()
+                walk = self._reconciler.start(page_rows=_WALK_PAGE_ROWS)
                 self._health.regenerate_sentinels_if_needed()
                 backoff.reset()
             except redis.ReadOnlyError as exc:
                 # Overdue rows were handed to the claimer before the failing write; the
                 # reconnect once Redis is a master again reconciles (and re-arms) in full.
                 self._health.read_only(exc)
-                self._idle.set()
+                if self._walk is None:
+                    self._idle.set()
                 continue
             except Exception as exc:
                 wait_s = backoff.next_s()
@@ -111,11 +141,52 @@ class Maintenance:
                 self._stop.wait(wait_s)
                 self._wanted.set()
                 continue
-            self.reconciles_done += 1
+            report = walk.report
             if report.overdue or report.rearmed or report.lease_expired:
-                logger.info("reconciliation: {}", report)
-            if not self._wanted.is_set():
-                self._idle.set()
+                # Said now: the walk over rows due later (and its summary) may take minutes.
+                logger.info("reconciliation, rows due first: {}", report)
+            if self._walk is None:
+                self._walk = walk
+            elif self._next_walk is None:
+                self._next_walk = walk
+
+    def _walk_step(self, backoff: Backoff) -> None:
+        """One page of the walk over rows due later, then a rest as long as the page took;
+        while keys wait for the claimer, a short wait instead (due work first)."""
+        walk = self._walk
+        assert walk is not None
+        if self._backlog():
+            self._wanted.wait(_WALK_BUSY_WAIT_S)
+            return
+        began_s = monotonic_s()
+        try:
+            more = walk.step()
+        except redis.ReadOnlyError as exc:
+            # The reconnect once Redis is a master again reconciles in full.
+            self._health.read_only(exc)
+            self._walk = self._next_walk = None
+            return
+        except Exception as exc:
+            wait_s = backoff.next_s()
+            if isinstance(exc, _EXPECTED):
+                logger.error("reconciliation failed ({}); retrying in {:.1f} s", exc, wait_s)
+            else:
+                self._errors.add("reconcile")
+                logger.exception("reconciliation failed; retrying in {:.1f} s", wait_s)
+            self._wanted.wait(wait_s)  # the same page is read again after the pause
+            return
+        backoff.reset()
+        if more:
+            # A request (or stop) ends the rest early: its urgent part must not wait.
+            self._wanted.wait((monotonic_s() - began_s) * _WALK_PACE)
+            return
+        self.reconciles_done += 1
+        report = walk.report
+        if report.overdue or report.rearmed or report.lease_expired:
+            logger.info("reconciliation: {}", report)
+        self._walk, self._next_walk = self._next_walk, None
+        if self._walk is None and not self._wanted.is_set():
+            self._idle.set()
 
     def _prune_if_due(self, now_s: float) -> None:
         """A few batches of finished rows past their retention, every `prune_every_s`: a
@@ -138,6 +209,7 @@ class Maintenance:
             logger.info("retention: deleted {} finished row(s)", report)
 
     def _check(self) -> None:
+        self._last_check_s = monotonic_s()
         try:
             self._self_check(monotonic_s())
             self._prune_if_due(monotonic_s())

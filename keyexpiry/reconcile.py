@@ -16,8 +16,12 @@ from keyexpiry.errors import UnknownTaskError
 from keyexpiry.keys import excerpt, task_class_of
 from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.runtime import Runtime
+from keyexpiry.scans import KEYS_START, PendingKey
 
 PAGE_ROWS = 1000
+DUE_FIRST_MS = 300_000
+"""Rows due within this are reconciled first, at once; the rest is walked afterwards, paced by
+the caller, so a listener (re)starting on a large ledger never holds back work falling due."""
 # A key whose remaining TTL differs from the ledger by more than this was changed by someone else.
 TTL_TOLERANCE_MS = 1000
 
@@ -43,14 +47,24 @@ class Reconciler:
     """Compares pending ledger rows with Redis keys and repairs the difference.
 
     `submit`, when given (inside a listener), receives overdue keys to claim directly; without it
-    (the CLI) overdue keys are re-armed so they expire at once and a listener runs them.
+    (the CLI) overdue keys are re-armed so they expire at once and a listener runs them. `mine`,
+    when given, says which keys are this listener's share: only those are submitted (a peer's
+    overdue rows are its own reconciliation's, or its successor's catch-up); lost keys of any
+    share are re-armed.
     """
 
-    def __init__(self, rt: Runtime, *, submit: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        *,
+        submit: Callable[[list[str]], None] | None = None,
+        mine: Callable[[str], bool] | None = None,
+    ) -> None:
         self.rt = rt
         self.store, self.redis, self.clock = rt.store, rt.redis, rt.clock
         self.settings, self.registry = rt.settings, rt.registry
         self.submit = submit
+        self.mine = mine
         self.rearmed_total = 0
         """Keys re-armed from the ledger since start (for metrics)."""
         self.requeued_total = 0
@@ -59,21 +73,28 @@ class Reconciler:
     def run(
         self, *, dry_run: bool = False, progress: Callable[[int, int], None] | None = None
     ) -> ReconcileReport:
-        """One full pass; `progress(done, total)` is called after each page."""
+        """One full pass, as fast as it goes; `progress(done, total)` is called after each page."""
+        total = self.store.count_pending()
+        walk = self.start(dry_run=dry_run)
+        while walk.step():
+            if progress is not None:
+                progress(walk.report.checked, max(total, walk.report.checked))
+        if progress is not None:
+            progress(walk.report.checked, max(total, walk.report.checked))
+        return walk.report
+
+    def start(self, *, dry_run: bool = False, page_rows: int = PAGE_ROWS) -> PendingWalk:
+        """The urgent part of a pass, done now: expired leases requeued, then every pending row
+        due within `DUE_FIRST_MS` (overdue ones run, lost keys re-armed). Returns the walk over
+        the rest, a page per `step()`, for the caller to pace: the key of a row due later only
+        has to be back before the row falls due."""
         report = ReconcileReport()
         self._requeue_expired_leases(report, dry_run)
-        total = self.store.count_pending()
-        after = (-(2**62), 0)
-        while True:
-            page = self.store.pending_page(after=after, limit=PAGE_ROWS)
-            if not page:
-                break
-            after = (page[-1].due_at_ms, page[-1].id)
-            self._repair_page(page, report, dry_run)
-            report.checked += len(page)
-            if progress is not None:
-                progress(report.checked, max(total, report.checked))
-        return report
+        upto_ms = self.clock.now_ms() + DUE_FIRST_MS
+        urgent = PendingWalk(self, report, dry_run=dry_run, upto_ms=upto_ms)
+        while urgent.step():
+            pass
+        return PendingWalk(self, report, dry_run=dry_run, after=urgent.after, page_rows=page_rows)
 
     def _max_attempts(self, row: TaskRow) -> int:
         options = None
@@ -209,12 +230,12 @@ class Reconciler:
             else:
                 self.rt.arm([(k, now_ms) for k in requeued], now_ms)
 
-    def _repair_page(self, page: list[TaskRow], report: ReconcileReport, dry_run: bool) -> None:
+    def _repair_page(self, page: list[PendingKey], report: ReconcileReport, dry_run: bool) -> None:
         now_ms = self.clock.now_ms()
         overdue = [r for r in page if r.due_at_ms <= now_ms]
         future = [r for r in page if r.due_at_ms > now_ms]
         report.overdue += len(overdue)
-        to_arm: list[TaskRow] = []
+        to_arm: list[PendingKey] = []
         if future:
             pipe = self.redis.pipeline(transaction=False)
             for row in future:
@@ -225,9 +246,11 @@ class Reconciler:
                     to_arm.append(row)
         if overdue:
             if self.submit is not None:
-                if not dry_run:
-                    self.submit([r.key for r in overdue])
-                    self.requeued_total += len(overdue)
+                mine = self.mine
+                keys = [r.key for r in overdue if mine is None or mine(r.key)]
+                if keys and not dry_run:
+                    self.submit(keys)
+                    self.requeued_total += len(keys)
             else:
                 to_arm.extend(overdue)
         report.rearmed += len(to_arm)
@@ -237,3 +260,41 @@ class Reconciler:
         self.rearmed_total += len(to_arm)
         for row in to_arm:
             logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")
+
+
+class PendingWalk:
+    """A keyset walk over pending keys in due order, after `after` = (due_at_ms, task_key) and
+    up to `upto_ms` when given, repairing one page into `report` per `step()`."""
+
+    def __init__(
+        self,
+        reconciler: Reconciler,
+        report: ReconcileReport,
+        *,
+        dry_run: bool,
+        after: tuple[int, str] = KEYS_START,
+        upto_ms: int | None = None,
+        page_rows: int = PAGE_ROWS,
+    ) -> None:
+        self.report = report
+        self.after = after
+        self.done = False
+        self._reconciler = reconciler
+        self._dry_run = dry_run
+        self._upto_ms = upto_ms
+        self._page_rows = page_rows
+
+    def step(self) -> bool:
+        """Repair the next page; True while rows may remain. A page that fails is read again
+        by the next call: the position moves only past a repaired page."""
+        if self.done:
+            return False
+        page = self._reconciler.store.pending_keys_page(
+            after=self.after, upto_ms=self._upto_ms, limit=self._page_rows
+        )
+        if page:
+            self._reconciler._repair_page(page, self.report, self._dry_run)
+            self.after = (page[-1].due_at_ms, page[-1].key)
+            self.report.checked += len(page)
+        self.done = len(page) < self._page_rows
+        return not self.done

@@ -131,3 +131,25 @@ def describe_redis_error(exc: redis.RedisError) -> str:
     if isinstance(exc, redis.ReadOnlyError):
         return f"Redis refuses writes ({exc}): point keyexpiry at the master, not a replica"
     return f"Redis is not reachable: {exc}"
+
+
+def check_replica_notifications(client: redis.Redis, *, configure: bool) -> str | None:
+    """A replica's notification setting: it announces nothing now, but will once promoted."""
+    text = config_value(client, "notify-keyspace-events")
+    if text is None:
+        return "cannot read CONFIG on this replica; make sure its notify-keyspace-events has Ex"
+    has_x, has_e = ("x" in text or "A" in text), ("e" in text or "A" in text)
+    if "E" in text and has_x and has_e:
+        return None
+    if configure:
+        wanted = text + ("" if "E" in text else "E") + ("" if has_x else "x")
+        wanted += "" if has_e else "e"
+        client.config_set("notify-keyspace-events", wanted)
+        logger.warning("set notify-keyspace-events to {!r} on a replica (was {!r})", wanted, text)
+        return None
+    if "E" in text and has_x:
+        return None
+    return (
+        f"replica's notify-keyspace-events is {text!r}: once promoted it would announce no "
+        "expiries (`keyexpiry doctor --fix` sets it on every node)"
+    )

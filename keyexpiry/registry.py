@@ -179,6 +179,8 @@ class TaskSpec:
     cls: type
     params: tuple[Param, ...]
     options: ExposeOptions
+    is_async: bool = False
+    """An `async def` method: the listener awaits it on its event loop."""
 
     def encode_args(self, args: Sequence[object]) -> tuple[str, ...]:
         """Check Python values against the signature and return their canonical key strings.
@@ -275,6 +277,9 @@ def exposed(
     transactional: bool = False,
 ) -> Any:
     """Mark a method of a task class as runnable from a key; use bare or with options.
+
+    The method may be `async def`: the listener awaits it on an event loop of its own, with the
+    same claims, timeout (the coroutine is cancelled), retries and outcome as a plain one.
 
     `timeout_s`: a run longer than this counts as a failed attempt.
     `retry_schedule_s`: delays before each retry; its length is the number of retries.
@@ -378,7 +383,19 @@ class Registry:
             if options is None or not callable(member):
                 continue
             check_name(attr, "method name")
-            self._specs[(name, attr)] = TaskSpec(name, attr, cls, _params(cls, member), options)
+            if inspect.isasyncgenfunction(member) or inspect.isgeneratorfunction(member):
+                raise ConfigError(
+                    f"{name}.{attr} is a generator; a task method is a plain or `async def` one"
+                )
+            if options.transactional and inspect.iscoroutinefunction(member):
+                # Its transaction would be a blocking connection used on the event loop.
+                raise ConfigError(
+                    f"{name}.{attr}: @exposed(transactional=True) is for plain methods, "
+                    "not `async def` ones"
+                )
+            self._specs[(name, attr)] = TaskSpec(
+                name, attr, cls, _params(cls, member), options, inspect.iscoroutinefunction(member)
+            )
             found = True
         if not found:
             raise ConfigError(f"task class {name} has no method marked @exposed")

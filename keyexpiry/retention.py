@@ -19,16 +19,12 @@ FINISHED = (TaskStatus.DONE, TaskStatus.CANCELLED, TaskStatus.DEAD)
 
 
 class RetentionQueries(Ledger):
-    """Finished rows older than a cut-off: found on the (status, due_at_ms) index (a finished
-    row's due time is never after its finish), deleted by primary key."""
+    """Finished rows older than a cut-off: found on the (status, finished_at_ms) index alone
+    (no row lookups), oldest first, deleted by primary key."""
 
     @staticmethod
     def _older(status: TaskStatus, before_ms: int) -> list[ColumnElement[bool]]:
-        return [
-            T.c.status == status.value,
-            T.c.due_at_ms < before_ms,
-            T.c.finished_at_ms < before_ms,
-        ]
+        return [T.c.status == status.value, T.c.finished_at_ms < before_ms]
 
     @retried_once
     def count_finished_before(self, status: TaskStatus, before_ms: int) -> int:
@@ -46,7 +42,7 @@ class RetentionQueries(Ledger):
                 for r in conn.execute(
                     select(T.c.id)
                     .where(*self._older(status, before_ms))
-                    .order_by(T.c.due_at_ms)
+                    .order_by(T.c.finished_at_ms)
                     .limit(limit)
                 )
             ]

@@ -90,6 +90,12 @@ class KeyShapes:
             registered=registered,
         )
 
+    def is_node_canary(self, data: bytes) -> bool:
+        """Whether `data` is this listener's canary on one cluster primary (`canary{tag}`)."""
+        return (
+            data.startswith(self.canary) and data[len(self.canary) : len(self.canary) + 1] == b"{"
+        )
+
     def expired(self, data: bytes) -> Verdict:
         """What an expired key is.
 
@@ -103,7 +109,7 @@ class KeyShapes:
         if not data.startswith(prefix):
             return _FOREIGN
         if data.startswith(self.internal):
-            if data == self.canary:
+            if data == self.canary or self.is_node_canary(data):
                 return _CANARY
             if data.startswith(self.sentinel):
                 return _SENTINEL
@@ -126,7 +132,7 @@ class KeyShapes:
         application's own keys are evicted too, so anything else is foreign, not refused."""
         if len(data) > MAX_KEY_BYTES or not data.startswith(self.prefix):
             return _FOREIGN  # never decode a huge foreign key
-        if data == self.canary:
+        if data == self.canary or self.is_node_canary(data):
             return _CANARY
         if data.startswith(self.internal):
             return _INTERNAL
@@ -207,7 +213,7 @@ class Router:
             self.refused += 1
             logger.bind(key=excerpt(data), attempt=0).warning("ignored key: {}", verdict.reason)
         elif route is Route.CANARY:
-            self._health.canary_arrived(expired=True)
+            self._health.canary_arrived(expired=True, key=data)
         elif route is Route.SENTINEL:
             logger.info("sentinel {} fired: reconciling", excerpt(data))
             self._request_reconcile("sentinel")
@@ -218,7 +224,8 @@ class Router:
         task key to the claimer now: it runs it if due, else re-arms its missing key."""
         verdict = self.shapes.evicted(as_bytes(raw))
         if verdict.route is Route.CANARY:
-            self._health.canary_arrived(expired=False)  # evicted first: events do arrive
+            # Evicted first: events do arrive.
+            self._health.canary_arrived(expired=False, key=as_bytes(raw))
             return
         if verdict.route is not Route.TASK:
             # Another listener's canary, a sentinel (the self-checks notice those), or the

@@ -14,6 +14,7 @@ import socket
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from redis import Redis
 from redis.backoff import ExponentialBackoff
@@ -22,6 +23,7 @@ from sqlalchemy import URL
 
 from keyexpiry.arming import arm_keys, redis_db
 from keyexpiry.clock import RedisClock
+from keyexpiry.cluster import ClusterNodes, is_cluster_url, node_tag, parse_cluster_url
 from keyexpiry.embedded import RestartingRetry, ensure_embedded_redis
 from keyexpiry.errors import RedisUnavailableError
 from keyexpiry.metrics import RunMetrics
@@ -47,6 +49,9 @@ class Runtime:
     metrics: RunMetrics = field(default_factory=RunMetrics, repr=False)
     """Runs, lateness and handler time, for `/metrics` (one registry per runtime)."""
     _subscriber: Redis | None = field(default=None, repr=False)
+    cluster: ClusterNodes | None = field(default=None, repr=False)
+    """The cluster's nodes (`redis+cluster://`); None on a single server. `redis` is then a
+    `RedisCluster`, which speaks the same commands key by key."""
 
     @classmethod
     def open(
@@ -59,15 +64,24 @@ class Runtime:
     ) -> Runtime:
         """Connect to what `settings` name (starting the embedded Redis if it is the default)."""
         url = resolve_redis_url(settings)
-        client = redis_client(url, settings)
+        cluster = None
+        if is_cluster_url(url):
+            cluster = ClusterNodes(parse_cluster_url(url), redis_options(url, settings))
+            # Typed as Redis: RedisCluster has the same command methods (not a subclass).
+            client = cast(Redis, cluster.commands)
+            clock = RedisClock(cast(Redis, cluster))
+        else:
+            client = redis_client(url, settings)
+            clock = RedisClock(client)
         return cls(
             settings=settings,
             registry=registry or default_registry,
             store=store or open_store(settings),
             redis_url=url,
             redis=client,
-            clock=RedisClock(client),
+            clock=clock,
             owner=owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
+            cluster=cluster,
         )
 
     @property
@@ -88,6 +102,14 @@ class Runtime:
             close_client(self._subscriber)
             self._subscriber = None
 
+    def node_tags(self) -> list[str]:
+        """One hash tag per primary serving slots (`[""]` on a single server): a key ending
+        with one lives on that primary (canaries and sentinels are kept per primary)."""
+        if self.cluster is None:
+            return [""]
+        topology = self.cluster.topology()
+        return [node_tag(topology.slots[a]) for a in topology.primaries]
+
     def arm(self, items: Sequence[tuple[str, int]], now_ms: int | None = None) -> None:
         """Set task keys to expire at their due times (and announce those due soon)."""
         now = self.clock.now_ms() if now_ms is None else now_ms
@@ -96,6 +118,8 @@ class Runtime:
     def close(self) -> None:
         """Release every connection."""
         close_client(self.redis)
+        if self.cluster is not None:
+            self.cluster.close()
         self.reset_subscriber()
         self.store.engine.dispose()
 
@@ -128,13 +152,24 @@ def redis_client(url: str, settings: Settings, *, pubsub: bool = False) -> Redis
     The subscriber gets no read timeout (it waits for events) but a health check, so a half-open
     socket is noticed.
     """
+    options = redis_options(url, settings, pubsub=pubsub)
+    try:
+        if is_sentinel_url(url):
+            return master_client(url, options)
+        return Redis.from_url(url, **options)
+    except ValueError as exc:
+        raise RedisUnavailableError(f"bad Redis URL {mask_url(url)}: {exc}") from None
+
+
+def redis_options(url: str, settings: Settings, *, pubsub: bool = False) -> dict[str, Any]:
+    """Connection options for `url` besides what the URL says (timeouts, retries, checks)."""
     # redis-py's default retries back off for up to a minute; callers here retry themselves
     # (the listener with its own logged backoff), so fail fast and say so.
     backoff = ExponentialBackoff(cap=0.5, base=0.05)
     retry = (
         Retry(backoff, 2) if settings.redis_url else RestartingRetry(settings.state_dir, backoff, 2)
     )
-    options: dict[str, object] = {
+    options: dict[str, Any] = {
         "retry": retry,
         "socket_connect_timeout": 5,
         "socket_timeout": None if pubsub else 10,
@@ -143,9 +178,4 @@ def redis_client(url: str, settings: Settings, *, pubsub: bool = False) -> Redis
     }
     if not url.startswith("unix:"):
         options["socket_keepalive"] = True  # unix sockets have no keepalive
-    try:
-        if is_sentinel_url(url):
-            return master_client(url, options)
-        return Redis.from_url(url, **options)
-    except ValueError as exc:
-        raise RedisUnavailableError(f"bad Redis URL {mask_url(url)}: {exc}") from None
+    return options

@@ -3,12 +3,26 @@ expired leases and their requeue."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from sqlalchemy import Text, and_, func, literal, or_, select, update
 
 from keyexpiry.ledger import Ledger, retried_once
 from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.table import T, with_earlier_errors
+
+
+class PendingKey(NamedTuple):
+    """What reconciliation needs of a pending row to check its key."""
+
+    key: str
+    due_at_ms: int
+    attempts: int
+
+
+KEYS_START = (-(2**62), "")
+"""The position before every pending key in `pending_keys_page`'s order."""
 
 
 class ScanQueries(Ledger):
@@ -31,6 +45,25 @@ class ScanQueries(Ledger):
                 .limit(limit)
             ).all()
         return [_row(r) for r in rows]
+
+    @retried_once
+    def pending_keys_page(
+        self, *, after: tuple[int, str] = KEYS_START, upto_ms: int | None = None, limit: int
+    ) -> list[PendingKey]:
+        """Pending keys after `after` = (due_at_ms, task_key) in that order, up to due time
+        `upto_ms` when given: a keyset walk read off the (status, due_at_ms, task_key, attempts)
+        index alone. Reconciliation walks every pending row with it: no row lookups (which,
+        in due order, land all over the table) and three small columns to decode."""
+        due, key = after
+        q = select(T.c.task_key, T.c.due_at_ms, T.c.attempts).where(
+            T.c.status == TaskStatus.PENDING.value,
+            or_(T.c.due_at_ms > due, and_(T.c.due_at_ms == due, T.c.task_key > key)),
+        )
+        if upto_ms is not None:
+            q = q.where(T.c.due_at_ms <= upto_ms)
+        with self._tx() as conn:
+            rows = conn.execute(q.order_by(T.c.due_at_ms, T.c.task_key).limit(limit)).all()
+        return [PendingKey(str(k), int(d), int(a)) for k, d, a in rows]
 
     @retried_once
     def upcoming(self, *, after_ms: int, upto_ms: int, limit: int) -> list[tuple[str, int]]:

@@ -211,7 +211,8 @@ class FollowingPool(SentinelConnectionPool):
 
 def sentinel_pool(client: redis.Redis) -> SentinelConnectionPool | None:
     """The client's pool if it follows a Sentinel-managed master, else None."""
-    pool = client.connection_pool
+    # A RedisCluster has no pool of its own (one per node).
+    pool = getattr(client, "connection_pool", None)
     return pool if isinstance(pool, SentinelConnectionPool) else None
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from keyexpiry import limits
+from keyexpiry.cluster import is_cluster_url, parse_cluster_url
 from keyexpiry.errors import ConfigError
 
 ENV_PREFIX = "KEYEXPIRY_"
@@ -66,6 +67,9 @@ class Settings:
     tasks: tuple[str, ...] = ()
     key_prefix: str = ""
     concurrency: int = 8
+    """Worker threads: sync handlers run at once."""
+    async_concurrency: int = 100
+    """Coroutines of `async def` handlers run at once (on the listener's event loop)."""
     handler_timeout_s: float = 60.0
     lease_grace_s: float = 30.0
     retry_schedule_s: tuple[float, ...] = DEFAULT_RETRY_SCHEDULE_S
@@ -160,11 +164,13 @@ class Settings:
         if "@" in self.key_prefix or len(self.key_prefix) > 64:
             raise ConfigError("key_prefix must not contain '@' and must be at most 64 characters")
         for url, what, schemes in (
-            (self.redis_url, "redis_url", ("redis", "rediss", "unix")),
+            (self.redis_url, "redis_url", _REDIS_SCHEMES),
             (self.database_url, "database_url", None),
         ):
             if url:
-                scheme = urlsplit(url).scheme.split("+")[0]
+                scheme = urlsplit(url).scheme
+                if not schemes:
+                    scheme = scheme.split("+")[0]  # mysql+pymysql: the driver is SQLAlchemy's
                 if not scheme or (schemes and scheme not in schemes):
                     allowed = ", ".join(f"{s}://" for s in schemes or ("mysql+pymysql", "sqlite"))
                     raise ConfigError(f"{what} {mask_url(url)!r} is not a URL ({allowed})")
@@ -173,6 +179,11 @@ class Settings:
 
                     if is_sentinel_url(url):
                         parse_sentinel_url(url)  # a malformed one fails here, with the reason
+        if self.redis_url and is_cluster_url(self.redis_url):
+            parse_cluster_url(self.redis_url)  # raises ConfigError naming what is wrong
+            if "{" in self.key_prefix or "}" in self.key_prefix:
+                # A hash tag in the prefix would put every task key in one slot.
+                raise ConfigError("key_prefix must not contain '{' or '}' on a Redis Cluster")
 
     @property
     def embedded_redis(self) -> bool:
@@ -180,8 +191,15 @@ class Settings:
         return not self.redis_url
 
 
+_REDIS_SCHEMES = (
+    "redis", "rediss", "unix",
+    "redis+sentinel", "rediss+sentinel",
+    "redis+cluster", "rediss+cluster",
+)  # fmt: skip
+
 _RANGES: dict[str, tuple[float, float]] = {
     "concurrency": (1, 1024),
+    "async_concurrency": (1, 100_000),
     "handler_timeout_s": (0, limits.MAX_DELAY_S),
     "lease_grace_s": (0, limits.DAY_S),
     "sentinel_count": (0, 100),
@@ -207,7 +225,10 @@ _RANGES: dict[str, tuple[float, float]] = {
     "result_max_bytes": (1, 1024 * 1024),
 }
 """Every numeric setting and its accepted range (finite, inclusive)."""
-_WHOLE = ("concurrency", "sentinel_count", "claim_batch", "driver_max_rows", "result_max_bytes")
+_WHOLE = (
+    "concurrency", "async_concurrency", "sentinel_count", "claim_batch", "driver_max_rows",
+    "result_max_bytes",
+)  # fmt: skip
 _ABOVE_ZERO = (
     "handler_timeout_s", "sentinel_interval_s", "reconnect_initial_s", "reconnect_max_s",
     "canary_interval_s", "lease_check_s", "driver_window_s", "heartbeat_s", "prune_every_s",

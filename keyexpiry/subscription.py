@@ -30,6 +30,8 @@ from keyexpiry.threads import Backoff, ThreadErrors
 
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 _MAX_MESSAGES_PER_STEP = 5000
+_MESSAGE_TYPES = ("message", "smessage")
+"""Published messages: `smessage` is the wake channel's on a cluster (sharded pub/sub)."""
 
 
 class Rebuild(redis.ConnectionError):
@@ -211,6 +213,18 @@ class Subscription:
 
     def step(self, timeout_s: float) -> int:
         """Handle the messages that arrive within `timeout_s`; return how many were read."""
+        self._check_gaps()
+        pubsub = self._pubsub
+        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
+        if msg is None:
+            return 0
+        if msg.get("type") in _MESSAGE_TYPES:
+            self._dispatch(msg["channel"], msg["data"])
+        return 1 + self._drain(pubsub)
+
+    def _check_gaps(self) -> None:
+        """Raise Rebuild when health wants the subscription rebuilt; after a silent reconnect
+        by redis-py, count the gap and ask for a reconciliation."""
         health = self._health
         if health.reconnect_wanted:
             health.reconnect_wanted = False
@@ -227,13 +241,6 @@ class Subscription:
                 "reconciling what may have expired in the gap"
             )
             self._request_reconcile("reconnect")
-        pubsub = self._pubsub
-        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
-        if msg is None:
-            return 0
-        if msg.get("type") == "message":
-            self._dispatch(msg["channel"], msg["data"])
-        return 1 + self._drain(pubsub)
 
     def _drain(self, pubsub: Any) -> int:
         """Handle the messages already waiting on the connection, read straight off it.
@@ -256,7 +263,7 @@ class Subscription:
                 self._dispatch(reply[1], reply[2])
             else:
                 msg = pubsub.handle_message(reply, ignore_subscribe_messages=True)
-                if msg is not None and msg.get("type") == "message":
+                if msg is not None and msg.get("type") in _MESSAGE_TYPES:
                     self._dispatch(msg["channel"], msg["data"])
         return count
 

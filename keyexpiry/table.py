@@ -75,6 +75,13 @@ time_limit_task = Table(
     Index("ix_time_limit_task_status_due", "status", "due_at_ms"),
     Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
     Index("ix_time_limit_task_claimed_by", "claimed_by"),
+    # Added after the table: keyexpiry.migrations builds them in an existing one.
+    # Reconciliation walks pending keys in due order off this index alone (no row lookups).
+    Index("ix_time_limit_task_status_due_key", "status", "due_at_ms", "task_key", "attempts"),
+    # The dashboard's retrying list: pending rows that failed, without walking every pending row.
+    Index("ix_time_limit_task_status_attempts", "status", "attempts", "due_at_ms"),
+    # Retention and the dead-task counts: finished rows by finish time (and class), index-only.
+    Index("ix_time_limit_task_status_finished", "status", "finished_at_ms", "class_name"),
     # A tag's rows by due time: `list --tag` reads them in order, `cancel_tag` finds them.
     Index("ix_time_limit_task_tag", "tag", "due_at_ms"),
     UniqueConstraint("task_key", name="uq_time_limit_task_key"),

@@ -6,6 +6,12 @@
 -- task_key is pure printable ASCII (arguments are percent-escaped), so ascii_bin gives a
 -- case-sensitive unique key that fits InnoDB's index size limit at 512 bytes.
 --
+-- Upgrading a table created before the last three indexes (keyexpiry init-db does this, online):
+--   ALTER TABLE time_limit_task
+--     ADD INDEX ix_time_limit_task_status_due_key (status, due_at_ms, task_key, attempts),
+--     ADD INDEX ix_time_limit_task_status_attempts (status, attempts, due_at_ms),
+--     ADD INDEX ix_time_limit_task_status_finished (status, finished_at_ms, class_name);
+--
 -- Upgrading a table created before tag and result (keyexpiry init-db does this):
 --   ALTER TABLE time_limit_task
 --       ADD COLUMN tag VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
@@ -36,6 +42,12 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     INDEX ix_time_limit_task_status_due (status, due_at_ms),
     INDEX ix_time_limit_task_status_lease (status, lease_until_ms),
     INDEX ix_time_limit_task_claimed_by (claimed_by),
+    -- reconciliation's walk over pending keys reads this index alone (no row lookups)
+    INDEX ix_time_limit_task_status_due_key (status, due_at_ms, task_key, attempts),
+    -- the dashboard's retrying list (pending rows that failed at least once)
+    INDEX ix_time_limit_task_status_attempts (status, attempts, due_at_ms),
+    -- retention and the dead-task counts: finished rows by finish time and class
+    INDEX ix_time_limit_task_status_finished (status, finished_at_ms, class_name),
     -- list and cancel by tag
     INDEX ix_time_limit_task_tag (tag, due_at_ms)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;

@@ -47,6 +47,13 @@ after_sale = Table(
     Column("refunded", Numeric(12, 2), nullable=True),
 )
 
+reminder = Table(
+    "demo_reminder",
+    demo,
+    Column("order_id", Integer, primary_key=True, autoincrement=False),  # one reminder an order
+    Column("sent_at_ms", BigInteger, nullable=False),
+)
+
 _ready: set[int] = set()
 _lock = threading.Lock()
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 import pytest
 
 from keyexpiry.bench.servers import LOOPBACK, MariaDBServer, RedisServer, find_binary
+from keyexpiry.bench.servers.cluster import LocalCluster
 from keyexpiry.bench.servers.sentinel import SentinelGroup
 
 # keyexpiry-level fixtures (settings, client, start_listener) live in tests/ke.py.
@@ -101,6 +102,52 @@ def mariadb_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MariaDB
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One Redis Cluster per pytest process (3 primaries + 3 replicas), started on first use.
+    Tests that kill, reshard or add nodes use `cluster_factory` instead."""
+    binary = _require(REDIS_SERVER)
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), binary=binary)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: LocalCluster) -> str:
+    """`redis+cluster://` URL of the session cluster, flushed, default notifications back."""
+    redis_cluster.flushall()
+    return redis_cluster.url()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+    """Start clusters owned by one test (`cluster_factory(primaries=3, replicas=1)`), killed
+    when it ends."""
+    binary = _require(REDIS_SERVER)
+    clusters: list[LocalCluster] = []
+
+    def make(*, primaries: int = 3, replicas: int = 1) -> LocalCluster:
+        cluster = LocalCluster(
+            tmp_path / f"cluster-{len(clusters)}",
+            primaries=primaries,
+            replicas=replicas,
+            binary=binary,
+        )
+        clusters.append(cluster)
+        cluster.start()
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in clusters:
+            for node in cluster.nodes:
+                node.kill()
 
 
 def _heal(server: RedisServer | MariaDBServer) -> None:

@@ -115,3 +115,13 @@ def test_a_cpu_quota_holds_a_busy_process_to_its_share() -> None:
         busy.wait()
         quota.remove()
     assert not quota.path.exists()
+
+
+def test_the_aio_scenario_runs_async_drivers_only_on_mariadb() -> None:
+    from keyexpiry.bench import aio
+
+    threads = ["sync", "threads=4", "threads=8", "threads=16"]
+    assert aio.variants("sqlite") == threads
+    natives = aio.variants("mariadb")[len(threads) :]
+    assert natives == [f"native={d}" for d in aio.native_drivers("mariadb")]
+    assert set(aio.native_drivers("mariadb")) <= {"aiomysql", "asyncmy"}

@@ -10,6 +10,7 @@ from pathlib import Path
 import keyexpiry.examples.auctions
 import keyexpiry.examples.orders
 import keyexpiry.examples.refunds
+import keyexpiry.examples.reminders
 import pytest
 from fastapi.testclient import TestClient
 from keyexpiry.examples import schema
@@ -141,3 +142,22 @@ def test_fastapi_shop_failing_request_leaves_neither_order_nor_task(
     accepted = http.post("/orders", json={"sku": "tea", "quantity": 5}).json()
     assert ke.get(PaymentWindow.close_unpaid, accepted["id"]) is not None
     _order_status(http, accepted["id"], "closed")
+
+
+def test_the_async_example_reminds_an_unpaid_order_once(
+    client: Client, settings: Settings, start_listener: Callable[[Settings], Running]
+) -> None:
+    engine = client.store.engine
+    schema.ensure_demo_schema(engine)
+    with engine.begin() as conn:
+        schema.seed_demo(conn)
+    start_listener(settings)
+    remind = keyexpiry.examples.reminders.PaymentReminder.remind
+    keys = client.create_many([TaskRequest(remind, (order,), ttl_ms=50) for order in (218, 219)])
+    for key in keys:
+        wait_status(client, key, TaskStatus.DONE)
+    client.create(remind, 218, ttl_ms=10)  # a rerun, as after a crash
+    wait_status(client, keys[0], TaskStatus.DONE)
+    with engine.connect() as conn:
+        reminded = conn.execute(select(schema.reminder.c.order_id)).scalars().all()
+    assert reminded == [218]  # the paid order 219 was not reminded; 218 once

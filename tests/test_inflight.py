@@ -7,6 +7,7 @@ import threading
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.inflight import ClaimedRun, InFlight
+from keyexpiry.registry import ExposeOptions, TaskSpec
 from keyexpiry.rows import Outcome, TaskRow, TaskStatus
 
 
@@ -53,7 +54,57 @@ def test_with_nothing_to_record_the_wait_ends_at_its_timeout() -> None:
     assert inflight.take_outcomes() == []
 
 
-def _run(i: int, timeout_s: float) -> ClaimedRun:
+def _run(i: int, *, is_async: bool) -> ClaimedRun:
+    spec = TaskSpec("C", "m", object, (), ExposeOptions(), is_async)
+    row = TaskRow(
+        id=i,
+        key=f"C@m@{i}",
+        class_name="C",
+        method="m",
+        args=(),
+        status=TaskStatus.RUNNING,
+        attempts=1,
+        retry_schedule_s=None,
+        due_at_ms=0,
+        created_at_ms=0,
+        updated_at_ms=0,
+        started_at_ms=0,
+        finished_at_ms=None,
+        claimed_by="tok",
+        lease_until_ms=0,
+        last_error=None,
+    )
+    return ClaimedRun(row, "tok", spec, 1.0, 0)
+
+
+def test_running_coroutines_widen_the_claim_window_up_to_their_bound() -> None:
+    inflight = InFlight(concurrency=2, claim_batch=100, async_limit=10)
+    assert inflight.claim_limit() == 4  # two workers, two queued ahead
+    runs = [_run(i, is_async=True) for i in range(10)]
+    inflight.add_claimed(runs)
+    for run in runs[:3]:
+        inflight.started(run)
+    # Three coroutines hold no worker, and three more may start: the window doubles them.
+    assert inflight.coroutines == 3 and inflight.claim_limit() == 4 + 3 + 3
+    for run in runs[3:]:
+        inflight.started(run)
+    # At the bound: only the queue ahead of the workers is left.
+    assert inflight.claim_limit() == 4 + 10
+    inflight.finished(runs[0], _outcome(0))
+    assert inflight.coroutines == 9 and inflight.count == 9
+    late, _ = inflight.take_late(monotonic_s() + 5)
+    assert len(late) == 9 and inflight.coroutines == 0 and inflight.count == 0
+
+
+def test_a_sync_run_is_no_coroutine() -> None:
+    inflight = InFlight(concurrency=2, claim_batch=100, async_limit=10)
+    run = _run(1, is_async=False)
+    inflight.add_claimed([run])
+    inflight.started(run)
+    assert inflight.coroutines == 0 and inflight.claim_limit() == 4
+
+
+def _tx_run(i: int, timeout_s: float) -> ClaimedRun:
     from keyexpiry.registry import default_registry
     from tests import sample_tasks
 
@@ -67,7 +118,7 @@ def _run(i: int, timeout_s: float) -> ClaimedRun:
 
 def test_a_timed_out_transactional_run_hands_its_transaction_to_the_watchdog() -> None:
     inflight = InFlight(concurrency=8, claim_batch=100)
-    late, detached, committing = _run(1, 0.0), _run(2, 0.0), _run(3, 0.0)
+    late, detached, committing = _tx_run(1, 0.0), _tx_run(2, 0.0), _tx_run(3, 0.0)
     ended: list[int] = []
     for run in (late, detached, committing):
         inflight.add_claimed([run])
@@ -86,7 +137,7 @@ def test_a_timed_out_transactional_run_hands_its_transaction_to_the_watchdog() -
 
 
 def _abandoned(inflight: InFlight) -> ClaimedRun:
-    run = _run(4, 0.0)
+    run = _tx_run(4, 0.0)
     inflight.add_claimed([run])
     inflight.started(run)
     inflight.take_late(monotonic_s() + 1)

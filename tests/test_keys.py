@@ -6,16 +6,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from keyexpiry import Client, Settings
 from keyexpiry.errors import KeyFormatError
 from keyexpiry.keys import (
     MAX_KEY_BYTES,
     TaskKey,
+    braces_unescaped,
     expired_channel,
     format_key,
     is_sentinel,
     parse_key,
     sentinel_key,
 )
+from keyexpiry.rows import NewTask, TaskStatus
 
 names = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,20}", fullmatch=True)
 args = st.lists(st.text(max_size=20), max_size=4)
@@ -83,3 +86,28 @@ def test_sentinels_and_channels() -> None:
     with pytest.raises(KeyFormatError):
         parse_key(sentinel_key(1))
     assert expired_channel(2) == "__keyevent@2__:expired"
+
+
+def test_braces_are_escaped_and_keys_spelled_before_still_parse() -> None:
+    key = format_key("Order", "close", ["{tenant}", "50%{"])
+    assert key == "Order@close@%7Btenant%7D@50%25%7B"
+    assert parse_key(key).args == ("{tenant}", "50%{")
+    # A task created before braces were escaped keeps running under its old key...
+    assert parse_key("Order@close@{tenant}@50%25{").args == ("{tenant}", "50%{")
+    assert braces_unescaped(key) == "Order@close@{tenant}@50%25{"
+    # ...but a key escaping something else needlessly is still not canonical.
+    with pytest.raises(KeyFormatError, match="canonical"):
+        parse_key("Order@close@%7Btenant}@%41")
+
+
+def test_cancel_finds_a_task_created_before_braces_were_escaped(
+    client: Client, settings: Settings
+) -> None:
+    old_key = "Probe@record@{legacy}"
+    now_ms = client.clock.now_ms()
+    # As stored before the upgrade: the arguments' braces literal in the key.
+    client.store.upsert_pending(
+        [NewTask(old_key, "Probe", "record", ("{legacy}",), now_ms + 60_000)], now_ms
+    )
+    assert client.cancel("Probe.record", "{legacy}") is True
+    assert client.store.get(old_key).status is TaskStatus.CANCELLED  # type: ignore[union-attr]

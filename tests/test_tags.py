@@ -3,12 +3,13 @@ reschedule, bad tags refused; through the API and the CLI (SQLite and MariaDB)."
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 from typer.testing import CliRunner
 
-from keyexpiry import Client
+from keyexpiry import Client, Settings
 from keyexpiry.cli import app
 from keyexpiry.client import TaskRequest
 from keyexpiry.errors import ArgumentError
@@ -127,3 +128,16 @@ def test_cli_create_list_show_and_cancel_by_tag(cli_env: dict[str, str]) -> None
     assert code == 1 and err.strip() == "error: name the task (CLASS METHOD [ARG]...) or give --tag"
     code, _, err = invoke("list", "--tag", " x")
     assert code == 1 and "must not start or end with a blank" in err
+
+
+def test_the_async_client_lists_and_cancels_by_tag(settings: Settings) -> None:
+    from keyexpiry.aio import AsyncClient
+
+    async def scenario() -> None:
+        async with AsyncClient(settings) as ke:
+            key = await ke.create(record, "a", ttl_s=60, tag="order:9")
+            assert [r.key for r in await ke.list(tag="order:9")] == [key]
+            assert await ke.cancel_tag("order:9") == 1
+            assert [r.status for r in await ke.list(tag="order:9")] == [TaskStatus.CANCELLED]
+
+    asyncio.run(scenario())

@@ -159,6 +159,17 @@ def test_transactional_must_be_a_bool() -> None:
         exposed(transactional="yes")  # type: ignore[call-overload]
 
 
+def test_an_async_transactional_handler_is_refused_at_registration() -> None:
+    from keyexpiry.registry import Registry
+
+    class Hooks:
+        @exposed(transactional=True)
+        async def note(self, name: str) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"transactional=True.*not `async def`"):
+        Registry().register(Hooks)
+
+
 def test_tx_outside_a_transactional_handler_says_so(client: Client) -> None:
     from keyexpiry.context import TaskContext
 

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -234,6 +235,8 @@ class ListenerProcess(MeasuredProcess):
     cpu_cores: float | None = None
     """A CPU quota (cores) for this listener alone (`cpuquota`); None: unlimited."""
     _quota: CpuQuota | None = field(default=None, init=False)
+    http: str = ""
+    """Serve /metrics here (`--http`) when set."""
     starts_path: Path = field(
         default_factory=lambda: Path(tempfile.mkstemp(prefix="ke-starts-", suffix=".txt")[1])
     )
@@ -278,20 +281,30 @@ class ListenerProcess(MeasuredProcess):
             "KEYEXPIRY_DRIVER": "true" if self.driver else "false",
             "KEYEXPIRY_SENTINEL_COUNT": "0",
             "KEYEXPIRY_LOG_LEVEL": "WARNING",
+            **({"KEYEXPIRY_HTTP": self.http} if self.http else {}),
         }
 
-    def wait_subscribed(
-        self, client: redis.Redis, timeout_s: float = 20, *, listeners: int = 1
-    ) -> None:
-        """Until the listeners have subscribed (their pubsub clients show up)."""
+    def wait_subscribed(self, client: Client, timeout_s: float = 20, *, listeners: int = 1) -> None:
+        """Until the listeners have subscribed (their pubsub clients show up; on a cluster,
+        on every primary)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if int(client.pubsub_numsub("__keyevent@0__:expired")[0][1]) >= listeners:
+            if subscribers(client) >= listeners:
                 time.sleep(0.3)  # let start-up reconciliation finish
                 self.mark_ready()
                 return
             time.sleep(0.02)
         raise RuntimeError("listener did not subscribe")
+
+
+def subscribers(client: Client) -> int:
+    """Subscribers of `expired`: on a cluster, the fewest any primary has."""
+    channel = "__keyevent@0__:expired"
+    cluster = client.rt.cluster
+    if cluster is None:
+        return int(client.redis.pubsub_numsub(channel)[0][1])
+    primaries = cluster.topology().primaries
+    return min(int(cluster.admin(a).pubsub_numsub(channel)[0][1]) for a in primaries)
 
 
 def count_status(client: Client, status: TaskStatus) -> int:
@@ -302,11 +315,23 @@ def count_status(client: Client, status: TaskStatus) -> int:
         )
 
 
-def wait_done(client: Client, expected: int, cap_s: float) -> float:
-    """Wait until `expected` rows are done or `cap_s` passes; return seconds waited."""
+def wait_done(client: Client, expected: int, cap_s: float, key_like: str | None = None) -> float:
+    """Wait until `expected` rows (whose key matches `key_like`, when given) are done or `cap_s`
+    passes; return seconds waited."""
     start = time.monotonic()
     while time.monotonic() - start < cap_s:
-        if count_status(client, TaskStatus.DONE) >= expected:
+        if key_like is None:
+            done = count_status(client, TaskStatus.DONE)
+        else:
+            with client.store.engine.connect() as conn:
+                done = int(
+                    conn.execute(
+                        select(func.count()).where(
+                            T.c.status == TaskStatus.DONE.value, T.c.task_key.like(key_like)
+                        )
+                    ).scalar_one()
+                )
+        if done >= expected:
             break
         time.sleep(0.25)
     return time.monotonic() - start
@@ -363,3 +388,27 @@ def analyze(client: Client) -> None:
     if client.store.engine.dialect.name != "sqlite":
         with client.store.engine.begin() as conn:
             conn.execute(text("ANALYZE TABLE time_limit_task"))
+
+
+def _reconciliations(port: int) -> float:
+    """keyexpiry_reconciliations_total on a listener's /metrics (0 while it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            body = resp.read().decode()
+    except OSError:
+        return 0.0
+    for line in body.splitlines():
+        if line.startswith("keyexpiry_reconciliations_total"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def wait_reconciled(port: int, cap_s: float) -> float:
+    """Seconds until the listener serving /metrics on `port` has ended a full reconciliation
+    (its start-up pass over every pending row); NaN past `cap_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < cap_s:
+        if _reconciliations(port) >= 1:
+            return round(time.monotonic() - start, 1)
+        time.sleep(0.25)
+    return float("nan")

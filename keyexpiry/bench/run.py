@@ -9,12 +9,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keyexpiry.bench import aio as aio_bench
+from keyexpiry.bench import cluster as cluster_bench
+from keyexpiry.bench import ledger as ledger_bench
 from keyexpiry.bench import listeners as listeners_bench
 from keyexpiry.bench import peers as peer_bench
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
-SCENARIOS = ("steady", "sparse", "burst", "throughput", "create", "listeners")
+SCENARIOS = (
+    "steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio", "cluster",
+)  # fmt: skip
+DEFAULT_SCENARIOS = SCENARIOS[:6]
+"""What `keyexpiry bench` runs unnamed: the others start servers of their own (a cluster) or fill
+millions of rows, and are run by name."""
 
 
 def _runs(label: str, runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -40,6 +48,8 @@ def _short(r: dict[str, Any]) -> str:
         "single_per_s",
         "bulk_per_s",
         "redis_bytes_per_task",
+        "settled_late_p99_ms",
+        "full_pass_s",
     )
     return ", ".join(
         f"{k}={r[k]:.0f}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r
@@ -84,8 +94,23 @@ def run(
         for name in names:
             print(f"{name}:", flush=True)
             res: dict[str, Any] = {}
-            if name == "listeners":
+            if name == "aio":
+                res = aio_bench.run(
+                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+                )
+            elif name == "listeners":
                 res = listeners_bench.run(
+                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+                )
+            elif name == "ledger":
+                rows = 1_000_000 if quick else 10_000_000
+                label = f"rows={rows}"
+                res[label] = _runs(
+                    label, runs, functools.partial(ledger_bench.ledger, srv, backend, rows=rows)
+                )
+                print(ledger_bench.format_queries(res[label]["runs"][-1]), flush=True)
+            elif name == "cluster":
+                res = cluster_bench.run(
                     srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
                 )
             elif name == "create":
@@ -164,6 +189,8 @@ COLUMNS = (
     "single_per_s",
     "bulk_per_s",
     "redis_bytes_per_task",
+    "creates_per_s",
+    "max_tick_gap_ms",
 )
 """The figures in the table, in order; a column no row has a value for is left out."""
 

@@ -1,0 +1,234 @@
+"""Redis Cluster faults under load: a primary killed, slots resharded, a node added, a primary
+whose notifications are switched off. Every task still runs, exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from redis.crc import key_slot
+
+from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.bench.servers import ServerError, wait_until
+from keyexpiry.bench.servers.cluster import ClusterNode, LocalCluster
+from keyexpiry.clock import monotonic_s
+from keyexpiry.cluster_subscription import ClusterSubscription
+from keyexpiry.errors import RedisUnavailableError
+from keyexpiry.store import TaskStatus
+from tests.ke import Running, make_settings, wait_status
+from tests.reliability import Verdict
+
+pytestmark = pytest.mark.faults
+StartListener = Callable[[Settings], Running]
+ClusterFactory = Callable[..., LocalCluster]
+
+
+def _subscription(running: Running) -> ClusterSubscription:
+    subscription = running.listener.subscription
+    assert isinstance(subscription, ClusterSubscription)
+    return subscription
+
+
+def _tasks(c: Client, name: str, count: int, spread_ms: int, first_ms: int = 300) -> list[str]:
+    return c.create_many(
+        TaskRequest("Probe.record", (f"{name}{i}",), ttl_ms=first_ms + spread_ms * i // count)
+        for i in range(count)
+    )
+
+
+def _on(node: ClusterNode, keys: list[str], cluster: LocalCluster) -> int:
+    """How many of `keys` live on `node` now."""
+    slots = cluster.slots_of(node)
+    return sum(1 for k in keys if any(lo <= key_slot(k.encode()) <= hi for lo, hi in slots))
+
+
+def test_cluster_primary_killed_under_load(
+    cluster_factory: ClusterFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    """kill -9 of a primary while 600 tasks fall due over 4 s; its replica is promoted
+    (node timeout 1.5 s) and subscribed, and the moved slots are reconciled from the ledger."""
+    cluster = cluster_factory()
+    cfg = make_settings(cluster.url(), db_url, tmp_path)
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        keys = _tasks(c, "killed", 600, 4000)
+        victim = cluster.primaries()[0]
+        assert _on(victim, keys, cluster) > 100
+        wait_until(lambda: wait_done(c, keys[len(keys) // 5]), 10)  # under way
+        fault_ms = c.clock.now_ms()
+        promoted = cluster.kill_primary(victim)
+        promoted_s = monotonic_s()
+        wait_until(lambda: promoted.address in _subscription(running).addresses, 10)
+        # Subscribed within ~5 s of the cluster announcing the new primary.
+        assert monotonic_s() - promoted_s < 5.0
+        verdict.check(c, keys, timeout_s=60, fault_at_ms=fault_ms)
+        assert victim.address not in _subscription(running).addresses
+
+
+def test_cluster_tasks_created_during_a_failover(
+    cluster_factory: ClusterFactory,
+    sqlite_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    """Tasks created one by one from the kill -9 of a primary until a second after its replica
+    took over: a create whose key could not be set says so (the row is in the ledger) and
+    reconciliation arms it; every task runs once."""
+    cluster = cluster_factory()
+    cfg = make_settings(cluster.url(), sqlite_url, tmp_path)
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        victim = cluster.primaries()[0]
+        first_slot = cluster.slots_of(victim)[0][0]
+        fault_ms = c.clock.now_ms()
+        victim.kill()
+        keys: list[str] = []
+        refused = 0
+        promoted_at_s: float | None = None
+        while promoted_at_s is None or monotonic_s() < promoted_at_s + 1.0:
+            name = f"failover{len(keys)}"
+            keys.append(c.key_for("Probe.record", name))
+            try:
+                c.create("Probe.record", name, ttl_ms=300)
+            except RedisUnavailableError:
+                refused += 1
+            if promoted_at_s is None and _owner(cluster, first_slot) not in (None, victim):
+                promoted_at_s = monotonic_s()
+            assert len(keys) < 2000, "no replica took over"
+        wait_until(lambda: len(_subscription(running).addresses) == 3, 10)
+        verdict.check(c, keys, timeout_s=60, fault_at_ms=fault_ms)
+        print(f"{len(keys)} created during the failover, {refused} said their key was not set")
+        assert len(keys) > 20
+
+
+def _owner(cluster: LocalCluster, slot: int) -> ClusterNode | None:
+    try:
+        return cluster.owner_of(slot)
+    except (KeyError, ServerError):
+        return None
+
+
+def test_cluster_slots_resharded_under_load(
+    cluster_factory: ClusterFactory,
+    sqlite_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    """1,500 slots (and their keys) moved between primaries with `redis-cli --cluster reshard`
+    while 1,000 tasks fall due over 5 s."""
+    cluster = cluster_factory(replicas=0)
+    cfg = make_settings(cluster.url(), sqlite_url, tmp_path)
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        keys = _tasks(c, "resharded", 1000, 5000, first_ms=500)
+        source, target = cluster.primaries()[:2]
+        before = _on(target, keys, cluster)
+        fault_ms = c.clock.now_ms()
+        cluster.reshard(source, target, 1500)
+        assert _on(target, keys, cluster) > before  # keys did move
+        wait_until(lambda: _subscription(running).topology == _topology(running), 5)
+        verdict.check(c, keys, timeout_s=60, fault_at_ms=fault_ms)
+
+
+def test_cluster_node_added_and_given_slots(
+    cluster_factory: ClusterFactory,
+    sqlite_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    """A fourth primary joins and receives 1,000 slots while tasks fall due: it is subscribed
+    within ~5 s and the tasks on its slots are announced by it."""
+    cluster = cluster_factory(replicas=0)
+    cfg = make_settings(cluster.url(), sqlite_url, tmp_path)
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        keys = _tasks(c, "joined", 600, 6000, first_ms=1000)
+        fault_ms = c.clock.now_ms()
+        node = cluster.add_primary()
+        cluster.reshard(cluster.primaries()[0], node, 1000)
+        moved_s = monotonic_s()
+        wait_until(lambda: node.address in _subscription(running).addresses, 10)
+        assert monotonic_s() - moved_s < 5.0
+        assert _on(node, keys, cluster) > 10
+        verdict.check(c, keys, timeout_s=60, fault_at_ms=fault_ms)
+        # Tasks created now on the new node's slots are heard from it.
+        events = running.listener.events
+        later = _tasks(c, "joined-later", 200, 500)
+        assert _on(node, later, cluster) > 0
+        for key in later:
+            wait_status(c, key, TaskStatus.DONE, timeout_s=20)
+        assert running.listener.events - events >= len(later)
+
+
+def test_cluster_primary_with_notifications_switched_off(
+    cluster_factory: ClusterFactory,
+    sqlite_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    """One primary stops announcing expiries: its canary does not come back, the listener says
+    which node, runs due tasks from the ledger meanwhile, and recovers once it is fixed."""
+    cluster = cluster_factory(replicas=0)
+    cfg = make_settings(cluster.url(), sqlite_url, tmp_path)
+    quiet = cluster.primaries()[1]
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        quiet.command("CONFIG", "SET", "notify-keyspace-events", "")
+        keys = _tasks(c, "quiet", 60, 1000, first_ms=100)
+        assert _on(quiet, keys, cluster) > 5
+        for key in keys:
+            wait_status(c, key, TaskStatus.DONE, timeout_s=20)
+        wait_until(lambda: running.listener.events_arriving is False, 10)
+        wait_until(lambda: quiet.address in (running.listener.problem or ""), 10)
+        quiet.command("CONFIG", "SET", "notify-keyspace-events", "Exe")
+        wait_until(lambda: running.listener.events_arriving, 20)
+        later = _tasks(c, "quiet-after", 30, 300, first_ms=100)
+        verdict.check(c, [*keys, *later], timeout_s=30)
+
+
+def wait_done(c: Client, key: str) -> bool:
+    row = c.store.get(key)
+    return row is not None and row.status is TaskStatus.DONE
+
+
+def _topology(running: Running) -> object:
+    cluster = running.listener.rt.cluster
+    assert cluster is not None
+    return cluster.topology()
+
+
+def test_arming_and_lookups_follow_slots_the_client_has_not_seen_move(
+    cluster_factory: ClusterFactory, sqlite_url: str, tmp_path: Path
+) -> None:
+    """A client whose slot map is stale (slots moved by someone else): bulk arming and the
+    driver's lookups get MOVED from the per-node pipelines and go again through the cluster
+    pipeline, which follows the redirection."""
+    from keyexpiry.driver import ExpiryDriver
+    from keyexpiry.runtime import Runtime
+
+    cluster = cluster_factory(replicas=0)
+    rt = Runtime.open(make_settings(cluster.url(), sqlite_url, tmp_path))
+    try:
+        source, target = cluster.primaries()[:2]
+        lo, _ = cluster.slots_of(source)[0]
+        keys = [f"Probe@record@stale{i}" for i in range(20_000)]
+        moved = [k for k in keys if lo <= key_slot(k.encode()) < lo + 100]
+        assert len(moved) >= 64  # enough for the bulk (per-node) path
+        rt.redis.set(moved[0], b"")  # the client learns the map before the move
+        cluster.reshard(source, target, 100)
+        due_ms = rt.clock.now_ms() + 60_000
+        rt.arm([(k, due_ms) for k in moved])
+        assert all(int(target.command("EXISTS", k)) == 1 for k in moved)
+        pttls = ExpiryDriver(rt)._pttl_each(moved)
+        assert all(50_000 < p <= 60_000 for p in pttls)
+    finally:
+        rt.close()

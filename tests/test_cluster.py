@@ -1,0 +1,206 @@
+"""Redis Cluster: the URL, arming across slots, and a listener on every primary of a real
+local cluster (3 primaries + 3 replicas)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from redis.crc import key_slot
+
+from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.bench.servers import wait_until
+from keyexpiry.bench.servers.cluster import ClusterNode, LocalCluster
+from keyexpiry.cluster import is_cluster_url, parse_cluster_url
+from keyexpiry.cluster_subscription import ClusterSubscription
+from keyexpiry.doctor import run_checks
+from keyexpiry.errors import ConfigError, RedisConfigError
+from keyexpiry.keys import format_key
+from keyexpiry.runtime import Runtime
+from keyexpiry.store import TaskStatus
+from tests import sample_tasks
+from tests.ke import Running, make_settings, wait_status
+
+StartListener = Callable[[Settings], Running]
+
+
+# --- the URL (pure) ---------------------------------------------------------------------------
+def test_a_cluster_url_names_its_entry_points_and_options() -> None:
+    parsed = parse_cluster_url(
+        "rediss+cluster://app:s3cret@10.0.0.1:7000,10.0.0.2:7001/0?socket_timeout=3"
+    )
+    assert parsed.addresses == (("10.0.0.1", 7000), ("10.0.0.2", 7001))
+    assert parsed.options["username"] == "app"
+    assert parsed.options["password"] == "s3cret"
+    assert parsed.options["ssl"] is True
+    assert parsed.options["socket_timeout"] == 3.0
+    assert is_cluster_url("redis+cluster://h:1") and not is_cluster_url("redis://h:1")
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis+cluster://h:7000/3", "only database 0"),
+        ("redis+cluster://", "at least one host:port"),
+        ("redis+cluster://h:7000,nohost", "is not host:port"),
+        ("redis+cluster://h:99999", "is not host:port"),
+    ],
+)
+def test_a_bad_cluster_url_is_a_clear_config_error(url: str, message: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Settings(redis_url=url, state_dir=tmp_path)
+
+
+def test_a_hash_tag_in_the_key_prefix_is_refused_on_a_cluster(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="key_prefix"):
+        Settings(redis_url="redis+cluster://h:7000", key_prefix="{app}:", state_dir=tmp_path)
+    Settings(redis_url="redis://h:7000", key_prefix="{app}:", state_dir=tmp_path)  # fine there
+
+
+def test_braces_in_arguments_do_not_pile_tasks_onto_one_slot() -> None:
+    keys = [format_key("Probe", "record", ["{tenant-1}", str(i)]) for i in range(200)]
+    assert all("{" not in k and "}" not in k for k in keys)
+    assert len({key_slot(k.encode()) for k in keys}) > 190
+
+
+# --- on a real cluster --------------------------------------------------------------------------
+def test_runtime_on_a_cluster_reads_the_topology_and_one_clock(
+    cluster_url: str, sqlite_url: str, tmp_path: Path, redis_cluster: LocalCluster
+) -> None:
+    rt = Runtime.open(make_settings(cluster_url, sqlite_url, tmp_path))
+    try:
+        assert rt.cluster is not None and rt.db == 0
+        topology = rt.cluster.topology()
+        assert sorted(topology.primaries) == sorted(n.address for n in redis_cluster.primaries())
+        # One canary/sentinel tag per primary, each hashing to that primary's slots.
+        tags = rt.node_tags()
+        owners = {topology.owner(key_slot(tag.strip("{}").encode())) for tag in tags}
+        assert owners == set(topology.primaries)
+        assert abs(rt.clock.now_ms() - rt.clock.offset_ms() - rt.clock.now_ms()) < 60_000
+    finally:
+        rt.close()
+
+
+def test_tasks_spread_over_every_primary_run_exactly_once(
+    cluster_url: str,
+    sqlite_url: str,
+    tmp_path: Path,
+    redis_cluster: LocalCluster,
+    start_listener: StartListener,
+) -> None:
+    cfg = make_settings(cluster_url, sqlite_url, tmp_path, sentinel_count=2)
+    sample_tasks.reset()
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        assert isinstance(running.listener.subscription, ClusterSubscription)
+        assert running.listener.subscription.addresses == sorted(
+            n.address for n in redis_cluster.primaries()
+        )
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"{{same}}{i}",), ttl_ms=200 + i) for i in range(300)
+        )
+        topology = running.listener.rt.cluster.topology()  # type: ignore[union-attr]
+        per_primary = Counter(topology.owner(key_slot(k.encode())) for k in keys)
+        assert set(per_primary) == set(topology.primaries)
+        assert min(per_primary.values()) > 50
+        for key in keys:
+            row = wait_status(c, key, TaskStatus.DONE, timeout_s=20)
+            assert row.started_at_ms is not None and row.started_at_ms >= row.due_at_ms
+        assert all(sample_tasks.CALLS[k] == 1 for k in keys)
+        # Heard as events (not found by the overdue check): every primary announced its own.
+        assert running.listener.events >= len(keys)
+        assert running.listener.events_arriving
+
+
+def test_the_driver_hears_wakes_on_the_sharded_channel(
+    cluster_url: str, sqlite_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    cfg = make_settings(cluster_url, sqlite_url, tmp_path)
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        wait_until(lambda: running.listener.driver.is_leader, 10)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"woken{i}",), ttl_ms=300 + 10 * i) for i in range(100)
+        )
+        for key in keys:
+            row = wait_status(c, key, TaskStatus.DONE, timeout_s=20)
+            assert row.started_at_ms is not None and row.started_at_ms >= row.due_at_ms
+        # Created after the driver read its window: only the wake message told it.
+        assert running.listener.driver.lookups >= len(keys)
+
+
+def test_doctor_checks_every_node_and_fix_reaches_replicas(
+    cluster_url: str, sqlite_url: str, tmp_path: Path, redis_cluster: LocalCluster
+) -> None:
+    replica = redis_cluster.replicas()[0]
+    replica.command("CONFIG", "SET", "notify-keyspace-events", "")
+    rt = Runtime.open(make_settings(cluster_url, sqlite_url, tmp_path))
+    try:
+        checks = {c.name: c for c in run_checks(rt)}
+        assert checks["notifications"].status == "fail"
+        assert replica.address in checks["notifications"].detail
+        checks = {c.name: c for c in run_checks(rt, fix=True)}
+        assert checks["notifications"].status == "ok", checks["notifications"]
+        flags = _flags(replica)
+        assert "E" in flags and "x" in flags
+    finally:
+        rt.close()
+
+
+def test_a_primary_without_notifications_refuses_to_start_with_its_address(
+    cluster_url: str, sqlite_url: str, tmp_path: Path, redis_cluster: LocalCluster
+) -> None:
+    primary = redis_cluster.primaries()[1]
+    primary.command("CONFIG", "SET", "notify-keyspace-events", "")
+    cfg = make_settings(cluster_url, sqlite_url, tmp_path)
+    from keyexpiry import Listener
+
+    listener = Listener(cfg)
+    try:
+        with pytest.raises(RedisConfigError, match=primary.address):
+            listener.subscription.connect()
+    finally:
+        listener.subscription.close()
+        listener.rt.close()
+
+
+def _flags(node: ClusterNode) -> str:
+    client = node.admin()
+    try:
+        return str(client.config_get("notify-keyspace-events")["notify-keyspace-events"])
+    finally:
+        client.close()
+
+
+def test_a_dropped_node_subscription_is_resumed_and_heard_again(
+    cluster_url: str,
+    sqlite_url: str,
+    tmp_path: Path,
+    redis_cluster: LocalCluster,
+    start_listener: StartListener,
+) -> None:
+    """CLIENT KILL of one primary's pub/sub connection: redis-py reconnects on a new socket (or
+    the refresh subscribes again); either way that primary's events are heard afterwards."""
+    cfg = make_settings(cluster_url, sqlite_url, tmp_path)
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        node = redis_cluster.primaries()[0]
+        gaps = running.listener.gaps
+        assert int(node.command("CLIENT", "KILL", "TYPE", "pubsub")) >= 1
+        wait_until(lambda: running.listener.gaps > gaps, 10)
+        wait_until(lambda: running.listener.wait_reconciled(0.1), 10)
+        # The selector waits on the sockets the feeds read now, not on the closed one.
+        sub = running.listener.subscription
+        assert isinstance(sub, ClusterSubscription)
+        wait_until(lambda: sub.selected_sockets() == sub.current_sockets(), 5)
+        events = running.listener.events
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"resumed{i}",), ttl_ms=200) for i in range(60)
+        )
+        slots = redis_cluster.slots_of(node)
+        assert any(lo <= key_slot(k.encode()) <= hi for k in keys for lo, hi in slots)
+        for key in keys:
+            wait_status(c, key, TaskStatus.DONE, timeout_s=20)
+        assert running.listener.events - events >= len(keys)

@@ -1,0 +1,128 @@
+"""Start-up reconciliation under a large ledger: what is due runs first, the keys of rows due
+later are checked afterwards in paced pages, and a key Redis lost among those is still re-armed."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from keyexpiry import Client, Listener, Settings, TaskRequest
+from keyexpiry.bench.servers import wait_until
+from keyexpiry.reconcile import DUE_FIRST_MS, Reconciler
+from keyexpiry.runtime import Runtime
+from keyexpiry.scans import ScanQueries
+from keyexpiry.store import TaskStatus
+from tests.ke import wait_status
+
+
+def _far(client: Client, n: int) -> list[str]:
+    """`n` tasks due an hour and more from now: beyond the urgent part of a reconciliation."""
+    assert DUE_FIRST_MS < 3600 * 1000
+    return client.create_many(
+        TaskRequest("Probe.record", (f"far{i}",), ttl_s=3600 + i) for i in range(n)
+    )
+
+
+def test_due_work_runs_while_the_walk_over_later_rows_is_in_progress(
+    settings: Settings, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    far = _far(client, 600)  # two pages of the paced walk
+    lost = far[-1]  # due last: the walk reaches it last
+    client.redis.delete(lost)
+    # Missed while no listener ran: its key expired unheard, its row is overdue.
+    missed = client.create("Probe.record", "missed", ttl_ms=1)
+    wait_until(lambda: client.redis.exists(missed) == 0, 5)
+
+    gate = threading.Event()
+    far_pages: list[tuple[int, int]] = []
+    read = ScanQueries.pending_keys_page
+
+    def held(self: ScanQueries, **kw: Any) -> Any:
+        if kw.get("upto_ms") is None:  # the walk over rows due later
+            far_pages.append(kw["after"])
+            if len(far_pages) == 2:  # hold it mid-way, one page repaired
+                assert gate.wait(30)
+        return read(self, **kw)
+
+    monkeypatch.setattr(ScanQueries, "pending_keys_page", held)
+    listener = Listener(settings)
+    thread = threading.Thread(target=listener.run, daemon=True)
+    thread.start()
+    try:
+        assert listener.subscribed.wait(15)
+        wait_status(client, missed, TaskStatus.DONE)
+        due = client.create("Probe.record", "due", ttl_ms=200)
+        wait_status(client, due, TaskStatus.DONE)
+        wait_until(lambda: len(far_pages) == 2, 10, message="the walk never reached page 2")
+        # Both ran while the walk was held: it has not finished, the lost key is not back.
+        assert listener.reconciles_done == 0
+        assert client.redis.exists(lost) == 0
+        gate.set()
+        wait_until(lambda: listener.reconciles_done >= 1, 15, message="the walk never ended")
+        row = client.store.get(lost)
+        assert row is not None and row.status is TaskStatus.PENDING
+        assert client.redis.pexpiretime(lost) == row.due_at_ms
+        assert all(client.redis.exists(k) for k in far)
+    finally:
+        gate.set()
+        listener.stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_a_full_pass_rearms_lost_keys_due_soon_and_later(
+    settings: Settings, client: Client
+) -> None:
+    far = _far(client, 1200)
+    soon = client.create("Probe.record", "soon", ttl_s=60)
+    for key in (far[0], far[700], soon):
+        client.redis.delete(key)
+    rt = Runtime.open(settings)
+    try:
+        report = Reconciler(rt).run()
+    finally:
+        rt.close()
+    assert report.checked == 1201 and report.rearmed == 3 and report.overdue == 0
+    for key in (far[0], far[700], soon):
+        row = client.store.get(key)
+        assert row is not None
+        assert client.redis.pexpiretime(key) == row.due_at_ms
+
+
+def test_a_reconciliation_asked_for_during_the_walk_walks_again_after_it(
+    settings: Settings, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    far = _far(client, 600)
+    gate = threading.Event()
+    walked: list[tuple[int, str]] = []
+    read = ScanQueries.pending_keys_page
+
+    def held(self: ScanQueries, **kw: Any) -> Any:
+        if kw.get("upto_ms") is None:
+            walked.append(kw["after"])
+            if len(walked) == 2:
+                assert gate.wait(30)
+        return read(self, **kw)
+
+    monkeypatch.setattr(ScanQueries, "pending_keys_page", held)
+    listener = Listener(settings)
+    thread = threading.Thread(target=listener.run, daemon=True)
+    thread.start()
+    try:
+        assert listener.subscribed.wait(15)
+        wait_until(lambda: len(walked) == 2, 10, message="the walk never reached page 2")
+        # Lost behind the walk's position: only a walk that starts over finds it.
+        client.redis.delete(far[0])
+        listener.request_reconcile("test")
+        gate.set()
+        wait_until(lambda: listener.reconciles_done >= 2, 15, message="no second walk")
+        assert listener.wait_reconciled(10)
+        assert client.redis.exists(far[0]) == 1
+        assert len(walked) == 4  # two pages each
+    finally:
+        gate.set()
+        listener.stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
