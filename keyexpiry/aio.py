@@ -121,6 +121,8 @@ class AsyncClient:
     cancel_keys = _in_thread(Client.cancel_keys)
     get = _in_thread(Client.get)
     list_tasks = _in_thread(Client.list_tasks)
+    list = _in_thread(Client.list)
+    cancel_tag = _in_thread(Client.cancel_tag)
     retry = _in_thread(Client.retry)
     retry_keys = _in_thread(Client.retry_keys)
     run_now = _in_thread(Client.run_now)

@@ -11,10 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import ClauseElement, Text, bindparam, case, select, update
+from sqlalchemy import ClauseElement, Connection, Text, bindparam, case, select, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.ledger import Ledger, retried_once
-from keyexpiry.rows import CLAIM_SETS, Outcome, TaskRow, TaskStatus, claimed_row_from_db
+from keyexpiry.rows import (
+    CLAIM_SETS,
+    CLAIM_SKIPS,
+    Outcome,
+    TaskRow,
+    TaskStatus,
+    claimed_row_from_db,
+)
 from keyexpiry.table import T, with_earlier_errors
 
 _X = TypeVar("_X")
@@ -27,6 +35,11 @@ same transaction (SQLite refuses more than 32,766 parameters; fewer sizes to com
 _KEY = tuple(f"k{i}" for i in range(_MAX_LIST))
 _ID = tuple(f"i{i}" for i in range(_MAX_LIST))
 _TOKEN = tuple(f"t{i}" for i in range(_MAX_LIST))
+_RESULT = tuple(f"r{i}" for i in range(_MAX_LIST))
+
+_RESULTS_MAX_BYTES = 1_000_000
+"""The results one statement writes, together, at most (a single bigger one goes alone): below
+the smallest `max_allowed_packet` a server is likely to have, whatever the batch size."""
 
 
 def _size(n: int) -> int:
@@ -69,12 +82,12 @@ def _claim_update(size: int) -> ClauseElement:
 
 
 def _claimed_rows() -> ClauseElement:
-    return select(*[c for c in T.c if c.name not in CLAIM_SETS]).where(
+    return select(*[c for c in T.c if c.name not in CLAIM_SETS | CLAIM_SKIPS]).where(
         T.c.claimed_by == bindparam("token"), T.c.status == TaskStatus.RUNNING.value
     )
 
 
-def _record_done(size: int) -> ClauseElement:
+def _record_done(size: int, with_results: bool = False) -> ClauseElement:
     # One statement for runs of many claims: each row is matched by its id and must still be
     # held by the token of the run that ended, as in one UPDATE per claim. The id list is what
     # the index looks up; the CASE only checks the token of each row found.
@@ -82,6 +95,16 @@ def _record_done(size: int) -> ClauseElement:
         *[(bindparam(i), bindparam(t)) for i, t in zip(_ID[:size], _TOKEN, strict=False)],
         value=T.c.id,
     )
+    # Most handlers return None: their statement writes NULL and binds no result at all.
+    result: Any = None
+    if with_results:
+        result = case(
+            *[
+                (bindparam(i), bindparam(r, type_=Text))
+                for i, r in zip(_ID[:size], _RESULT, strict=False)
+            ],
+            value=T.c.id,
+        )
     return (
         update(T)
         .where(
@@ -95,8 +118,25 @@ def _record_done(size: int) -> ClauseElement:
             last_error=None,
             lease_until_ms=None,
             updated_at_ms=bindparam("now"),
+            result=result,
         )
     )
+
+
+def _by_result_bytes(outcomes: list[Outcome]) -> Iterator[list[Outcome]]:
+    """`outcomes` in runs whose results add up to at most `_RESULTS_MAX_BYTES` (at least one
+    outcome each)."""
+    part: list[Outcome] = []
+    size = 0
+    for o in outcomes:
+        n = len(o.result or "")  # characters: a lower bound of bytes; JSON is mostly ASCII
+        if part and size + n > _RESULTS_MAX_BYTES:
+            yield part
+            part, size = [], 0
+        part.append(o)
+        size += n
+    if part:
+        yield part
 
 
 def _extend_lease() -> ClauseElement:
@@ -161,34 +201,52 @@ class ClaimQueries(Ledger):
 
     @retried_once
     def record(self, outcomes: Sequence[Outcome], now_ms: int) -> int:
-        """Record finished runs in one transaction; a run whose claim was lost is skipped.
+        """Record finished runs in one transaction; a run whose claim was lost is skipped, and
+        so is one its handler's transaction recorded already (`Outcome.recorded`).
 
         Returns how many rows were updated.
         """
-        if not outcomes:
-            return 0
         done: list[Outcome] = []
         others: list[Outcome] = []
         for o in outcomes:
+            if o.recorded:
+                continue
             if o.status is TaskStatus.DONE and o.last_error is None:
                 done.append(o)
             else:
                 others.append(o)
+        if not done and not others:
+            return 0
         count = 0
         with self._tx() as conn:
             # Successes, the bulk of any batch: one statement for all of them, whatever claims
-            # they came from.
-            for group in _distinct_ids(done):
+            # they came from (those that returned a value in statements of their own, as few
+            # as their size allows).
+            plain = [o for o in done if o.result is None]
+            valued = [o for o in done if o.result is not None]
+            for group in _distinct_ids(plain):
                 for part in _lists(group):
-                    values: dict[str, Any] = {"now": now_ms}
-                    values.update(zip(_ID, [o.task_id for o in part], strict=False))
-                    values.update(zip(_TOKEN, [o.token for o in part], strict=False))
-                    count += self._prepare(_record_done, len(part)).run(conn, values).rowcount
+                    count += self._record_done_part(conn, part, now_ms, False)
+            for group in _distinct_ids(valued):
+                for chunk in _by_result_bytes(group):
+                    for part in _lists(chunk):
+                        count += self._record_done_part(conn, part, now_ms, True)
             if others:
                 count += conn.execute(
                     self._record_one, self._record_params(others, now_ms)
                 ).rowcount
         return count
+
+    def _record_done_part(
+        self, conn: Connection, part: list[Outcome], now_ms: int, with_results: bool
+    ) -> int:
+        values: dict[str, Any] = {"now": now_ms}
+        values.update(zip(_ID, [o.task_id for o in part], strict=False))
+        values.update(zip(_TOKEN, [o.token for o in part], strict=False))
+        if with_results:
+            values.update(zip(_RESULT, [o.result for o in part], strict=False))
+        statement = self._prepare(_record_done, len(part), with_results)
+        return int(statement.run(conn, values).rowcount)
 
     @staticmethod
     def _record_params(outcomes: Sequence[Outcome], now_ms: int) -> list[dict[str, Any]]:
@@ -200,6 +258,7 @@ class ClaimQueries(Ledger):
                 "b_finished": o.finished_at_ms,
                 "b_due": o.due_at_ms,
                 "b_error": o.last_error,
+                "b_result": o.result,
                 "b_now": now_ms,
             }
             for o in outcomes
@@ -217,10 +276,25 @@ class ClaimQueries(Ledger):
             finished_at_ms=bindparam("b_finished"),
             due_at_ms=bindparam("b_due"),
             last_error=with_earlier_errors(bindparam("b_error", type_=Text)),
+            result=bindparam("b_result", type_=Text),
             lease_until_ms=None,
             updated_at_ms=bindparam("b_now"),
         )
     )
+
+    def record_in(self, conn: Connection, outcome: Outcome, now_ms: int) -> bool:
+        """Record `outcome` in the caller's transaction on `conn` (a transactional handler's),
+        only while its claim still holds; False when it was lost (taken over, requeued,
+        rescheduled): then the caller must roll back. The row stays locked until it ends.
+
+        The claim token is what proves the claim: an expired lease nobody acted on still
+        leaves the row `running` under it, and no one else has run the task.
+        """
+        try:
+            result = conn.execute(self._record_one, self._record_params([outcome], now_ms))
+        except SQLAlchemyError as exc:
+            raise self._store_error(exc) from exc
+        return result.rowcount == 1
 
     @retried_once
     def release(self, task_ids: Sequence[int], token: str, now_ms: int) -> int:

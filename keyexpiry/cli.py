@@ -205,6 +205,7 @@ def create(
     ttl: float = typer.Option(None, "--ttl", help="Run after this many seconds."),
     ttl_ms: int = typer.Option(None, "--ttl-ms", help="Run after this many milliseconds."),
     at: str = typer.Option(None, "--at", help="Run at an ISO 8601 time (naive = local time)."),
+    tag: str = typer.Option(None, "--tag", help="A business key to list and cancel it by."),
     tasks: str = TasksOpt,
 ) -> None:
     """Schedule CLASS.METHOD(ARG...) and print its key."""
@@ -213,7 +214,7 @@ def create(
         raise ConfigError("give exactly one of --ttl, --ttl-ms or --at")
     with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
         key = client.create(
-            f"{class_name}.{method}", *(args or []), ttl_s=ttl, ttl_ms=ttl_ms, at=when
+            f"{class_name}.{method}", *(args or []), ttl_s=ttl, ttl_ms=ttl_ms, at=when, tag=tag
         )
     typer.echo(key)
 
@@ -222,12 +223,23 @@ def create(
 @_errors
 def cancel(
     ctx: typer.Context,
-    class_name: str = typer.Argument(..., metavar="CLASS"),
-    method: str = typer.Argument(...),
+    class_name: str = typer.Argument(None, metavar="CLASS"),
+    method: str = typer.Argument(None, metavar="METHOD"),
     args: list[str] = typer.Argument(None, metavar="[ARG]..."),
+    tag: str = typer.Option(None, "--tag", help="Instead of a task: every pending one so tagged."),
     tasks: str = TasksOpt,
 ) -> None:
-    """Cancel a pending task (exit 1 if it is not pending)."""
+    """Cancel a pending task (exit 1 if it is not pending), or with --tag every pending task
+    tagged so (prints how many; none is not an error)."""
+    if tag is not None:
+        if class_name is not None:
+            raise ConfigError("give either CLASS METHOD [ARG]... or --tag, not both")
+        with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
+            count = client.cancel_tag(tag)
+        typer.echo(f"cancelled {count} task(s) tagged {tag}")
+        return
+    if class_name is None or method is None:
+        raise ConfigError("name the task (CLASS METHOD [ARG]...) or give --tag")
     with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
         key = _key(client, class_name, method, args or [])
         if client.cancel_keys([key]):
@@ -484,6 +496,8 @@ def show(
     for name, value in data.items():
         if name.endswith("_at") and value is not None:
             value = _local_time(round(value * 1000), sep="T")
+        elif name == "result" and value is not None:
+            value = json.dumps(value, ensure_ascii=False)
         typer.echo(f"{name:>12}: {value}")
 
 
@@ -493,20 +507,28 @@ def list_tasks(
     ctx: typer.Context,
     status: str = typer.Option(None, "--status", help="pending/running/done/dead/cancelled."),
     limit: int = typer.Option(50, "--limit", min=1),
+    tag: str = typer.Option(None, "--tag", help="Only tasks with this tag."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
     """List tasks by due time."""
     from keyexpiry.runtime import open_store
     from keyexpiry.store import TaskStatus
+    from keyexpiry.tags import check_tag
 
     try:
         wanted = TaskStatus(status) if status else None
     except ValueError:
         allowed = ", ".join(s.value for s in TaskStatus)
         raise ConfigError(f"--status {status!r}: use one of {allowed}") from None
+    wanted_tag = check_tag(tag, ConfigError)
     store = open_store(_settings(ctx))
     try:
-        rows = store.list_tasks(wanted, limit) if store.table_exists() else []
+        rows: list[Any] = []
+        if store.table_exists():
+            # A ledger from an older keyexpiry lacks columns every read names: upgrade it in
+            # place first, as every other command (through Client) and listener start does.
+            store.create_schema()
+            rows = store.list_tasks(wanted, limit, tag=wanted_tag)
     finally:
         store.engine.dispose()
     for row in rows:
@@ -514,7 +536,8 @@ def list_tasks(
             typer.echo(json.dumps(row.to_json()))
         else:
             due = _local_time(row.due_at_ms, zone=False)
-            typer.echo(f"{row.status:<9} {row.attempts:>3}  {due:<23}  {row.key}")
+            tagged = f"  [{row.tag}]" if row.tag is not None else ""
+            typer.echo(f"{row.status:<9} {row.attempts:>3}  {due:<23}  {row.key}{tagged}")
 
 
 @app.command()

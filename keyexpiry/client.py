@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import datetime as dt
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
 from keyexpiry.settings import Settings
 from keyexpiry.store import NewTask, Store, TaskRow, TaskStatus
+from keyexpiry.tags import check_tag
 from keyexpiry.transactions import Tx, after_commit, check_same_database, connection_of
 
 Target = str | Callable[..., Any]
@@ -33,6 +35,7 @@ class TaskRequest:
     ttl_ms: int | None = None
     at: dt.datetime | None = None
     retry_schedule_s: Sequence[float] | None = None
+    tag: str | None = None
 
 
 class Client:
@@ -96,6 +99,7 @@ class Client:
         ttl_ms: int | None = None,
         at: dt.datetime | None = None,
         retry_schedule_s: Sequence[float] | None = None,
+        tag: str | None = None,
         tx: Tx | None = None,
     ) -> str:
         """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
@@ -104,11 +108,15 @@ class Client:
         exactly one run happens at or after the new due time. A run already claimed for the old
         due time (running, or claimed just before this) still happens, unrecorded. Returns the key.
 
+
+        `tag`: a business key (`"order:218"`, 1 to 128 characters) to find and cancel tasks by
+        (`list(tag=)`, `cancel_tag`); a reschedule without one keeps the task's tag.
+
         With `tx` (a SQLAlchemy `Connection` or `Session` on the ledger's database) the row is
         written in the caller's transaction and the key is set once that commits; a rollback
         leaves neither (`keyexpiry.transactions`).
         """
-        request = TaskRequest(target, args, ttl_s, ttl_ms, at, retry_schedule_s)
+        request = TaskRequest(target, args, ttl_s, ttl_ms, at, retry_schedule_s, tag)
         return self.create_many([request], tx=tx)[0]
 
     def create_many(self, requests: Iterable[TaskRequest], *, tx: Tx | None = None) -> list[str]:
@@ -125,7 +133,8 @@ class Client:
             key = format_key(spec.class_name, spec.method, encoded, prefix=self.settings.key_prefix)
             schedule = limits.delays(req.retry_schedule_s, "retry_schedule_s", ArgumentError)
             due = due_at_ms(now_ms, ttl_s=req.ttl_s, ttl_ms=req.ttl_ms, at=req.at)
-            new[key] = NewTask(key, spec.class_name, spec.method, encoded, due, schedule)
+            tag = check_tag(req.tag, ArgumentError)
+            new[key] = NewTask(key, spec.class_name, spec.method, encoded, due, schedule, tag)
         tasks = list(new.values())
         if tx is not None:
             conn = self._join(tx)
@@ -169,13 +178,29 @@ class Client:
                 after_commit(conn, self._sync_keys, cancelled=cancelled)
             return cancelled
         cancelled = self.store.cancel(keys, self._now_ms())
-        if cancelled:
-            try:
-                # The ledger decided; a leftover key only makes an event that claims nothing.
-                self.redis.delete(*cancelled)
-            except redis.RedisError:
-                pass
+        self._delete_keys(cancelled)
         return cancelled
+
+    def cancel_tag(self, tag: str) -> int:
+        """Cancel every pending task tagged `tag` (and delete their keys); return how many.
+
+        Each task is cancelled as `cancel` cancels one: those already running, done or gone are
+        left as they are and not counted.
+        """
+        checked = check_tag(tag, ArgumentError)
+        if checked is None:
+            raise ArgumentError("cancel_tag needs a tag, got None")
+        cancelled = self.store.cancel_tag(checked, self._now_ms())
+        self._delete_keys(cancelled)
+        return len(cancelled)
+
+    def _delete_keys(self, keys: Sequence[str]) -> None:
+        try:
+            # The ledger decided; a leftover key only makes an event that claims nothing.
+            for start in range(0, len(keys), 1000):
+                self.redis.delete(*keys[start : start + 1000])
+        except redis.RedisError:
+            pass
 
     # --- retry --------------------------------------------------------------------------------
     def retry(self, target: Target, *args: object, at: dt.datetime | None = None) -> bool:
@@ -247,9 +272,17 @@ class Client:
         ms = self.ttl_ms(target, *args)
         return None if ms is None else ms / 1000.0
 
-    def list_tasks(self, status: TaskStatus | None = None, limit: int = 50) -> list[TaskRow]:
-        """Ledger rows by due time."""
-        return self.store.list_tasks(status, limit)
+    def list_tasks(
+        self, status: TaskStatus | None = None, limit: int = 50, *, tag: str | None = None
+    ) -> list[TaskRow]:
+        """Ledger rows by due time: of one status, of one tag, or both."""
+        return self.store.list_tasks(status, limit, tag=check_tag(tag, ArgumentError))
+
+    def list(
+        self, *, tag: str | None = None, status: TaskStatus | None = None, limit: int = 50
+    ) -> builtins.list[TaskRow]:
+        """Ledger rows by due time (`list_tasks` by keyword): `ke.list(tag="order:218")`."""
+        return self.list_tasks(status, limit, tag=tag)
 
     # --- internals ----------------------------------------------------------------------------
     def _join(self, tx: Tx) -> Connection:

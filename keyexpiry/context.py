@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +22,20 @@ class TaskContext:
     due_at_ms: int
     engine: Engine
     started_at_ms: int = 0
+    transaction: Connection | None = None
+    """The run's connection in its transaction, for `@exposed(transactional=True)`; else None."""
+
+    @property
+    def tx(self) -> Connection:
+        """The connection, in the transaction that will record this run as done, of a handler
+        marked `@exposed(transactional=True)`: write business tables (in the ledger's database)
+        through it and they commit together with the task's `done`, or not at all. Do not
+        commit or roll back yourself. RuntimeError for a handler not marked transactional."""
+        if self.transaction is None:
+            raise RuntimeError(
+                "current().tx is only set for handlers marked @exposed(transactional=True)"
+            )
+        return self.transaction
 
 
 _current: ContextVar[TaskContext | None] = ContextVar("keyexpiry_task", default=None)

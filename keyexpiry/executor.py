@@ -7,6 +7,7 @@ import inspect
 import threading
 import traceback
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
@@ -17,8 +18,10 @@ from keyexpiry.context import TaskContext, set_current
 from keyexpiry.coroutines import CoroutineRunner
 from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
 from keyexpiry.inflight import ClaimedRun, DispatchStats, InFlight
+from keyexpiry.results import encode_result
 from keyexpiry.rows import Outcome, TaskStatus
 from keyexpiry.runtime import Runtime
+from keyexpiry.transactional import run_in_transaction
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -28,7 +31,9 @@ _OUTCOME_NAMES = {TaskStatus.DONE: "done", TaskStatus.PENDING: "retry", TaskStat
 """An outcome's status as the `outcome` label of keyexpiry_runs_total."""
 
 
-def ended(rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None) -> Outcome:
+def ended(
+    rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None, result: str | None = None
+) -> Outcome:
     """The outcome of a run that finished for good (done or dead)."""
     return Outcome(
         task_id=run.row.id,
@@ -38,7 +43,21 @@ def ended(rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None) -
         finished_at_ms=rt.clock.now_ms(),
         due_at_ms=run.row.due_at_ms,
         last_error=error,
+        result=result,
     )
+
+
+def succeeded(rt: Runtime, run: ClaimedRun, value: object) -> Outcome:
+    """The outcome of a handler that returned `value`: done, the value kept as JSON.
+
+    A value that cannot be kept (not JSON, or over `result_max_bytes`) still leaves the task
+    done, with `last_error` saying why and no result: the handler's work is done, and running
+    it again would repeat that work only to fail the same way.
+    """
+    result, why = encode_result(value, rt.settings.result_max_bytes)
+    if why is not None:
+        logger.bind(key=run.row.key, attempt=run.row.attempts).warning("{}", why)
+    return ended(rt, run, TaskStatus.DONE, why, result)
 
 
 def failed(rt: Runtime, run: ClaimedRun, error: str, *, delay_s: float | None = None) -> Outcome:
@@ -130,6 +149,13 @@ class Executor:
         if prepared is None:
             return False
         call, ctx = prepared
+        if run.spec.options.transactional:
+            return self._execute_in_transaction(run, call, ctx)
+        return not self.finish(run, self._call(run, call, ctx))
+
+    def _call(self, run: ClaimedRun, call: Callable[[], Any], ctx: TaskContext) -> Outcome:
+        """Call a sync handler with `ctx` as its `current()`; what it returned or raised, as an
+        outcome."""
         result: object = None
         error: BaseException | None = None
         set_current(ctx)
@@ -144,7 +170,28 @@ class Executor:
             error = exc
         finally:
             set_current(None)
-        return not self.finish(run, self.settle(run, result, error))
+        return self.settle(run, result, error)
+
+    def _execute_in_transaction(
+        self, run: ClaimedRun, call: Callable[[], Any], ctx: TaskContext
+    ) -> bool:
+        """`_execute` for a transactional handler (`keyexpiry.transactional`)."""
+        outcome = run_in_transaction(
+            self.rt,
+            run,
+            self.inflight,
+            lambda conn: self._call(run, call, replace(ctx, transaction=conn)),
+            lambda why: failed(self.rt, run, why),
+        )
+        if outcome is None:  # rolled back, nothing to record here
+            if not self.inflight.broke(run):  # out of flight already: the watchdog failed it
+                logger.bind(key=ctx.key, attempt=ctx.attempt).warning(
+                    "abandoned run returned after its timeout; its transaction is rolled back"
+                )
+                return True
+            self._stats.claims_lost += 1
+            return False
+        return not self.finish(run, outcome)
 
     def begin(self, run: ClaimedRun) -> tuple[Callable[[], Any], TaskContext] | None:
         """What comes before any handler call, sync or async: the lease made to cover the run,
@@ -183,11 +230,11 @@ class Executor:
         """What an ended handler call becomes, the same for sync and async handlers: returned
         (done), or raised (retried on the schedule, or dead: `DoNotRetry`, out of attempts).
 
-        `result` is the handler's return value; the ledger does not keep it yet.
+        `result` is the handler's return value, kept with the row (`succeeded`).
         """
         log = logger.bind(key=run.row.key, attempt=run.row.attempts)
         if error is None:
-            return ended(self.rt, run, TaskStatus.DONE, None)
+            return succeeded(self.rt, run, result)
         if isinstance(error, DoNotRetry):
             log.warning("failed, not retrying: {}", error)
             return ended(self.rt, run, TaskStatus.DEAD, f"DoNotRetry: {error}")
@@ -279,6 +326,13 @@ class Watchdog:
                 self._executor.coroutines.cancel(run)
             else:
                 self._executor.spawn_worker()
+            end_tx = run.end_tx
+            if run.tx_taken and end_tx is not None:
+                try:
+                    end_tx()  # its locks go now, not when (if ever) the handler returns
+                    log.warning("its transaction was ended (its writes rolled back)")
+                except Exception as exc:
+                    log.warning("could not end its transaction: {}", exc)
             try:
                 outcome = failed(
                     self.rt, run, f"TimeoutError: handler exceeded {run.timeout_s:g} s"

@@ -8,6 +8,7 @@ import collections
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from keyexpiry.clock import monotonic_s
@@ -37,6 +38,13 @@ class ClaimedRun:
     started_s: float | None = None
     abandoned: bool = False
     """Failed by the watchdog; whatever its thread returns later is discarded."""
+    committing: bool = False
+    """A transactional run committing its success: the watchdog leaves it be."""
+    end_tx: Callable[[], None] | None = None
+    """Ends a transactional run's open transaction from another thread (MySQL/MariaDB: kills its
+    connection), while the run holds it; the watchdog takes it when it abandons the run."""
+    tx_taken: bool = False
+    """The watchdog took `end_tx`: the run's connection must never go back to the pool."""
 
 
 @dataclass
@@ -136,6 +144,32 @@ class InFlight:
             self.cond.notify_all()
         return True
 
+    def committing(self, run: ClaimedRun) -> bool:
+        """A transactional run is about to record and commit its success: from now on the
+        watchdog leaves it alone (its commit decides). False when the watchdog already failed
+        it: it must roll back."""
+        with self.cond:
+            if run.abandoned:
+                return False
+            run.committing = True
+        return True
+
+    def attach_tx(self, run: ClaimedRun, end: Callable[[], None]) -> bool:
+        """A transactional run holds an open transaction that `end` can end from outside;
+        False when the watchdog already failed it (it must not run)."""
+        with self.cond:
+            if run.abandoned:
+                return False
+            run.end_tx = end
+        return True
+
+    def detach_tx(self, run: ClaimedRun) -> bool:
+        """A transactional run is done with its connection: True when the connection may go
+        back to the pool, False when the watchdog is ending it (discard it)."""
+        with self.cond:
+            run.end_tx = None
+            return not run.tx_taken
+
     def broke(self, run: ClaimedRun) -> bool:
         """Something around `run` raised: take it out of flight. False when it is already out
         (failed by the watchdog, or its outcome queued before the error)."""
@@ -157,12 +191,15 @@ class InFlight:
             for run in self.running.values():
                 assert run.started_s is not None
                 deadline = run.started_s + run.timeout_s
+                if run.committing:
+                    continue
                 if deadline <= now:
                     late.append(run)
                 else:
                     next_deadline = min(next_deadline, deadline)
             for run in late:
                 run.abandoned = True
+                run.tx_taken = run.end_tx is not None
                 self._leave(run)
             if late:
                 self.cond.notify_all()

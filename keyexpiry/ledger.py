@@ -147,6 +147,37 @@ class Ledger:
         except SQLAlchemyError as exc:
             raise self._store_error(exc) from exc
 
+    def begin(self) -> Connection:
+        """A connection of the pool with a transaction begun, for the caller to commit or roll
+        back and close (a transactional handler's); StoreError when the ledger is out of reach."""
+        try:
+            conn = self.engine.connect()
+        except SQLAlchemyError as exc:
+            raise self._store_error(exc) from exc
+        try:
+            conn.begin()
+        except SQLAlchemyError as exc:
+            conn.close()
+            raise self._store_error(exc) from exc
+        return conn
+
+    def commit(self, conn: Connection) -> None:
+        """Commit what `begin` began; StoreError when that fails (or its answer is lost)."""
+        try:
+            conn.commit()
+        except SQLAlchemyError as exc:
+            raise self._store_error(exc) from exc
+
+    def kill_session(self, session_id: int) -> None:
+        """End a MySQL/MariaDB session of this ledger (`KILL CONNECTION`): the server rolls its
+        transaction back and releases its locks. One already gone is no error."""
+        try:
+            with self._tx() as conn:
+                conn.exec_driver_sql(f"KILL CONNECTION {int(session_id)}")
+        except StoreError as exc:
+            if "Unknown thread id" not in str(exc):
+                raise
+
     def _autocommitted(self, build: Callable[[Dialect, Any], str]) -> None:
         """Run the statement `build(dialect, driver_connection)` returns on its own, committed
         by the server as it runs: one round trip, nothing before or after it.

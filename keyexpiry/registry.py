@@ -36,6 +36,8 @@ class ExposeOptions:
 
     timeout_s: float | None = None
     retry_schedule_s: tuple[float, ...] | None = None
+    transactional: bool = False
+    """Run in a ledger transaction that also records the run as done (`current().tx`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +263,10 @@ class TaskSpec:
 def exposed(func: F, /) -> F: ...
 @overload
 def exposed(
-    *, timeout_s: float | None = None, retry_schedule_s: Sequence[float] | None = None
+    *,
+    timeout_s: float | None = None,
+    retry_schedule_s: Sequence[float] | None = None,
+    transactional: bool = False,
 ) -> Callable[[F], F]: ...
 def exposed(
     func: F | None = None,
@@ -269,6 +274,7 @@ def exposed(
     *,
     timeout_s: float | None = None,
     retry_schedule_s: Sequence[float] | None = None,
+    transactional: bool = False,
 ) -> Any:
     """Mark a method of a task class as runnable from a key; use bare or with options.
 
@@ -277,7 +283,12 @@ def exposed(
 
     `timeout_s`: a run longer than this counts as a failed attempt.
     `retry_schedule_s`: delays before each retry; its length is the number of retries.
+    `transactional`: the handler gets `current().tx`, a connection to the ledger's database in
+    the transaction that records the run as done: its writes there commit with that record, or
+    roll back with a failure (which retries per schedule), a timeout or a lost claim.
     """
+    if not isinstance(transactional, bool):
+        raise ConfigError(f"@exposed transactional must be True or False, got {transactional!r}")
     # Checked here, at import time: a bad value must never reach the listener's threads.
     options = ExposeOptions(
         timeout_s=None
@@ -291,6 +302,7 @@ def exposed(
             above_low=True,
         ),
         retry_schedule_s=limits.delays(retry_schedule_s, "@exposed retry_schedule_s", ConfigError),
+        transactional=transactional,
     )
 
     def mark(f: F) -> F:
@@ -374,6 +386,12 @@ class Registry:
             if inspect.isasyncgenfunction(member) or inspect.isgeneratorfunction(member):
                 raise ConfigError(
                     f"{name}.{attr} is a generator; a task method is a plain or `async def` one"
+                )
+            if options.transactional and inspect.iscoroutinefunction(member):
+                # Its transaction would be a blocking connection used on the event loop.
+                raise ConfigError(
+                    f"{name}.{attr}: @exposed(transactional=True) is for plain methods, "
+                    "not `async def` ones"
                 )
             self._specs[(name, attr)] = TaskSpec(
                 name, attr, cls, _params(cls, member), options, inspect.iscoroutinefunction(member)

@@ -47,6 +47,22 @@ class TaskRow:
     last_error: str | None
     problem: str | None = None
     """Why the row cannot run as stored (set only for rows written outside keyexpiry)."""
+    tag: str | None = None
+    """The task's business key (`create(..., tag=)`), or None."""
+    result_json: str | None = None
+    """The handler's return value as stored: JSON text, or None (see `result`)."""
+
+    @property
+    def result(self) -> Any:
+        """The handler's return value, decoded from JSON: None when it returned None, has not
+        succeeded yet, or its value could not be kept (then `last_error` says why). Text that
+        is not JSON (a row written outside keyexpiry) comes back as that text."""
+        if self.result_json is None:
+            return None
+        try:
+            return json.loads(self.result_json)
+        except ValueError:
+            return self.result_json
 
     def to_json(self) -> dict[str, Any]:
         """The `list --json` / `show --json` object: times as epoch seconds (float)."""
@@ -67,6 +83,8 @@ class TaskRow:
             "finished_at": sec(self.finished_at_ms),
             "claimed_by": self.claimed_by,
             "last_error": self.last_error,
+            "tag": self.tag,
+            "result": self.result,
         }
 
 
@@ -80,6 +98,8 @@ class NewTask:
     args: tuple[str, ...]
     due_at_ms: int
     retry_schedule_s: tuple[float, ...] | None = None
+    tag: str | None = None
+    """Kept by a reschedule that gives none (`keyexpiry.tags`)."""
 
 
 # Made once: `json.dumps` given options builds an encoder on every call.
@@ -107,6 +127,11 @@ class Outcome:
     finished_at_ms: int | None
     due_at_ms: int
     last_error: str | None
+    result: str | None = None
+    """A successful run's return value as JSON text (`keyexpiry.results`)."""
+    recorded: bool = False
+    """Already written by the run itself (a transactional handler's own transaction): the
+    recorder only counts it."""
 
 
 def _args(text: str) -> tuple[tuple[str, ...], str | None]:
@@ -145,6 +170,7 @@ def row_from_db(r: Any) -> TaskRow:
         finished_at_ms=r.finished_at_ms,
         claimed_by=r.claimed_by,
         lease_until_ms=r.lease_until_ms,
+        result_json=r.result,
     )
 
 
@@ -154,6 +180,9 @@ CLAIM_SETS = frozenset(
 """The columns a claim writes with values its caller knows (not `attempts`, which it adds to):
 read back right after the claim, they need not be selected (each column of a result costs the
 pure-Python driver a field descriptor to parse, on every query)."""
+CLAIM_SKIPS = frozenset({"result"})
+"""Columns a claim does not read back at all: a run never needs the value a past run returned
+(a row becomes pending again only by a create, which clears it)."""
 
 
 def claimed_row_from_db(r: Any, *, token: str, now_ms: int, lease_until_ms: int) -> TaskRow:
@@ -168,6 +197,7 @@ def claimed_row_from_db(r: Any, *, token: str, now_ms: int, lease_until_ms: int)
         finished_at_ms=None,
         claimed_by=token,
         lease_until_ms=lease_until_ms,
+        result_json=None,
     )
 
 
@@ -180,6 +210,7 @@ def _task_row(
     finished_at_ms: int | None,
     claimed_by: str | None,
     lease_until_ms: int | None,
+    result_json: str | None = None,
 ) -> TaskRow:
     args, problem = _args(r.args)
     return TaskRow(
@@ -200,4 +231,6 @@ def _task_row(
         lease_until_ms=lease_until_ms,
         last_error=r.last_error,
         problem=problem,
+        tag=r.tag,
+        result_json=result_json,
     )

@@ -99,6 +99,8 @@ class Settings:
     wake_ahead_s: float = 120.0
     configure_redis: bool = False
     log_level: str = "INFO"
+    result_max_bytes: int = 65_536
+    """Largest handler return value kept with its row, in bytes of JSON (`result`)."""
     http: str = ""
     """`HOST:PORT` for the listener's /metrics, /healthz and /readyz; empty: not served."""
 
@@ -218,9 +220,15 @@ _RANGES: dict[str, tuple[float, float]] = {
     "driver_window_s": (0, limits.DAY_S),
     "driver_max_rows": (100, 10_000_000),
     "wake_ahead_s": (0, 7 * limits.DAY_S),
+    # A result travels in one of the recorder's UPDATEs: 1 MiB stays below the smallest
+    # max_allowed_packet a server is likely to have (4 MiB on MySQL 5.7, 16 MiB on MariaDB).
+    "result_max_bytes": (1, 1024 * 1024),
 }
 """Every numeric setting and its accepted range (finite, inclusive)."""
-_WHOLE = ("concurrency", "async_concurrency", "sentinel_count", "claim_batch", "driver_max_rows")
+_WHOLE = (
+    "concurrency", "async_concurrency", "sentinel_count", "claim_batch", "driver_max_rows",
+    "result_max_bytes",
+)  # fmt: skip
 _ABOVE_ZERO = (
     "handler_timeout_s", "sentinel_interval_s", "reconnect_initial_s", "reconnect_max_s",
     "canary_interval_s", "lease_check_s", "driver_window_s", "heartbeat_s", "prune_every_s",

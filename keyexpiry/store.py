@@ -163,6 +163,8 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
             "claimed_by": None,
             "lease_until_ms": None,
             "last_error": None,
+            "tag": t.tag,
+            "result": None,
         }
 
     def upsert_pending_in(self, conn: Connection, tasks: Sequence[NewTask], now_ms: int) -> None:
@@ -221,6 +223,27 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
             select(T.c.task_key).where(T.c.claimed_by == token, T.c.task_key.in_(list(keys)))
         )
         return [r[0] for r in got]
+
+    def cancel_tag(self, tag: str, now_ms: int) -> list[str]:
+        """Cancel every pending task tagged `tag`; return the keys cancelled."""
+        return self._cancel_tag(tag, now_ms, f"cancel:{uuid.uuid4().hex}")
+
+    @retried_once
+    def _cancel_tag(self, tag: str, now_ms: int, token: str) -> list[str]:
+        # As in `cancel`: the token, fixed before any retry, names the rows this call cancelled.
+        with self._tx() as conn:
+            conn.execute(
+                update(T)
+                .where(T.c.tag == tag, T.c.status == TaskStatus.PENDING.value)
+                .values(
+                    status=TaskStatus.CANCELLED.value,
+                    updated_at_ms=now_ms,
+                    finished_at_ms=now_ms,
+                    claimed_by=token,
+                )
+            )
+            got = conn.execute(select(T.c.task_key).where(T.c.claimed_by == token))
+            return [r[0] for r in got]
 
     def retry(self, keys: Sequence[str], *, due_at_ms: int, now_ms: int) -> list[str]:
         """Requeue those of `keys` that are dead or failed and waiting for their next attempt:
@@ -305,11 +328,21 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
         return {r.task_key: _row(r) for r in rows}
 
     @retried_once
-    def list_tasks(self, status: TaskStatus | None = None, limit: int = 50) -> list[TaskRow]:
-        """Rows ordered by due time, optionally of one status.
+    def list_tasks(
+        self, status: TaskStatus | None = None, limit: int = 50, *, tag: str | None = None
+    ) -> list[TaskRow]:
+        """Rows ordered by due time, optionally of one status, optionally of one tag.
 
         Without a status: the first `limit` of each status, each read on the (status, due_at_ms)
-        index, merged. One ORDER BY over every row would sort the whole table (10 M rows)."""
+        index, merged. One ORDER BY over every row would sort the whole table (10 M rows).
+        With a tag: its rows in order on the (tag, due_at_ms) index."""
+        if tag is not None:
+            q = select(T).where(T.c.tag == tag)
+            if status is not None:
+                q = q.where(T.c.status == status.value)
+            with self._tx() as conn:
+                rows = conn.execute(q.order_by(T.c.due_at_ms, T.c.id).limit(limit)).all()
+            return [_row(r) for r in rows]
         statuses = [status] if status is not None else list(TaskStatus)
         with self._tx() as conn:
             runs = [

@@ -30,6 +30,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from keyexpiry.errors import StoreError
 from keyexpiry.rows import NewTask, TaskStatus, args_json, schedule_json
 from keyexpiry.settings import mask_url
+from keyexpiry.tags import TAG_MAX_CHARS
 
 TABLE_NAME = "time_limit_task"
 metadata = MetaData()
@@ -40,6 +41,12 @@ _KEY_TYPE = String(512).with_variant(
 )
 _ID_TYPE = BigInteger().with_variant(Integer(), "sqlite")
 _TEXT_TYPE = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
+# Tags compare byte for byte on every backend, as on SQLite: `Order:1` is not `order:1`.
+_TAG_TYPE = String(TAG_MAX_CHARS).with_variant(
+    mysql.VARCHAR(TAG_MAX_CHARS, charset="utf8mb4", collation="utf8mb4_bin"),
+    "mysql",
+    "mariadb",
+)
 
 time_limit_task = Table(
     TABLE_NAME,
@@ -60,6 +67,11 @@ time_limit_task = Table(
     Column("claimed_by", String(96), nullable=True),
     Column("lease_until_ms", BigInteger, nullable=True),
     Column("last_error", _TEXT_TYPE, nullable=True),
+    # Added after the table: keyexpiry.migrations adds them to an existing one.
+    # The business key business code finds and cancels its tasks by (`create(..., tag=)`).
+    Column("tag", _TAG_TYPE, nullable=True),
+    # The handler's return value as JSON (NULL: it returned None, or has not succeeded).
+    Column("result", _TEXT_TYPE, nullable=True),
     Index("ix_time_limit_task_status_due", "status", "due_at_ms"),
     Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
     Index("ix_time_limit_task_claimed_by", "claimed_by"),
@@ -70,6 +82,8 @@ time_limit_task = Table(
     Index("ix_time_limit_task_status_attempts", "status", "attempts", "due_at_ms"),
     # Retention and the dead-task counts: finished rows by finish time (and class), index-only.
     Index("ix_time_limit_task_status_finished", "status", "finished_at_ms", "class_name"),
+    # A tag's rows by due time: `list --tag` reads them in order, `cancel_tag` finds them.
+    Index("ix_time_limit_task_tag", "tag", "due_at_ms"),
     UniqueConstraint("task_key", name="uq_time_limit_task_key"),
     mysql_engine="InnoDB",
     mysql_charset="utf8mb4",
@@ -208,9 +222,16 @@ def autocommit_engine(engine: Engine) -> Engine | None:
 _RESET_ON_CREATE = (
     "args", "status", "attempts", "retry_schedule_s", "due_at_ms", "created_at_ms",
     "updated_at_ms", "started_at_ms", "finished_at_ms", "claimed_by", "lease_until_ms",
-    "last_error",
+    "last_error", "result",
 )  # fmt: skip
-"""What creating an existing key resets: it becomes a fresh pending task with a new due time."""
+"""What creating an existing key resets: it becomes a fresh pending task with a new due time.
+Its tag is kept unless the create gives one (`_kept_tag`)."""
+
+
+def _kept_tag(new: Any) -> Any:
+    # Tags survive a reschedule: code that moves a task's due time (a debounce) need not know
+    # the tag another part of the application gave it, and must not lose it.
+    return func.coalesce(new, T.c.tag)
 
 
 def upsert_statement(dialect: str) -> Any:
@@ -218,18 +239,24 @@ def upsert_statement(dialect: str) -> Any:
     if dialect == "sqlite":
         ins = sqlite.insert(T)
         return ins.on_conflict_do_update(
-            index_elements=[T.c.task_key], set_={c: ins.excluded[c] for c in _RESET_ON_CREATE}
+            index_elements=[T.c.task_key],
+            set_={
+                **{c: ins.excluded[c] for c in _RESET_ON_CREATE},
+                "tag": _kept_tag(ins.excluded.tag),
+            },
         )
     # Every column a bound value: PyMySQL folds an executemany into multi-row INSERTs only when
     # the VALUES clause holds nothing but placeholders (a literal there means a round trip a row).
     mins = mysql.insert(T)
-    return mins.on_duplicate_key_update({c: mins.inserted[c] for c in _RESET_ON_CREATE})
+    return mins.on_duplicate_key_update(
+        {**{c: mins.inserted[c] for c in _RESET_ON_CREATE}, "tag": _kept_tag(mins.inserted.tag)}
+    )
 
 
 _LITERAL_COLUMNS = (
     "task_key", "class_name", "method", "args", "status", "attempts", "retry_schedule_s",
     "due_at_ms", "created_at_ms", "updated_at_ms", "started_at_ms", "finished_at_ms",
-    "claimed_by", "lease_until_ms", "last_error",
+    "claimed_by", "lease_until_ms", "last_error", "tag", "result",
 )  # fmt: skip
 """The columns `LiteralUpsert.statements` writes, in the order of its row literal."""
 _ONE_ROW = re.compile(r"(INSERT INTO .*? VALUES )\(((?:%\(\w+\)s, )*%\(\w+\)s)\)(.*)", re.DOTALL)
@@ -243,7 +270,7 @@ class LiteralUpsert:
     """The MySQL/MariaDB upsert that `upsert_statement` renders, with its rows written into
     VALUES here instead of bound by the driver (PyMySQL).
 
-    PyMySQL escapes each of the 15 bound values of a row in Python, through a type dispatch: most
+    PyMySQL escapes each of the 17 bound values of a row in Python, through a type dispatch: most
     of a bulk create's time. Here a row is one f-string: the caller's strings (key, names,
     arguments, schedule) escaped by the connection itself (which follows the server's
     NO_BACKSLASH_ESCAPES), numbers formatted as integers, and the constants of a fresh pending row
@@ -284,7 +311,8 @@ class LiteralUpsert:
         return (
             f"({escape(t.key)},{quoted},{escape(args_json(t.args))},{self._pending},0,"
             f"{'NULL' if schedule is None else escape(schedule)},{int(t.due_at_ms)},"
-            f"{now},{now},NULL,NULL,NULL,NULL,NULL)"
+            f"{now},{now},NULL,NULL,NULL,NULL,NULL,"
+            f"{'NULL' if t.tag is None else escape(t.tag)},NULL)"
         )
 
     def statements(

@@ -11,6 +11,12 @@
 --     ADD INDEX ix_time_limit_task_status_due_key (status, due_at_ms, task_key, attempts),
 --     ADD INDEX ix_time_limit_task_status_attempts (status, attempts, due_at_ms),
 --     ADD INDEX ix_time_limit_task_status_finished (status, finished_at_ms, class_name);
+--
+-- Upgrading a table created before tag and result (keyexpiry init-db does this):
+--   ALTER TABLE time_limit_task
+--       ADD COLUMN tag VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+--       ADD COLUMN result MEDIUMTEXT NULL,
+--       ADD INDEX ix_time_limit_task_tag (tag, due_at_ms);
 CREATE TABLE IF NOT EXISTS time_limit_task (
     id               BIGINT       NOT NULL AUTO_INCREMENT,
     task_key         VARCHAR(512) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
@@ -28,6 +34,8 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     claimed_by       VARCHAR(96)  NULL,                -- listener and claim batch that ran it
     lease_until_ms   BIGINT       NULL,                -- a running row past this is re-run
     last_error       MEDIUMTEXT   NULL,
+    tag              VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,  -- business key
+    result           MEDIUMTEXT   NULL,                -- the handler's return value, JSON
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key),
     -- the listener claims by key; reconciliation scans pending by due time and running by lease
@@ -39,5 +47,7 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     -- the dashboard's retrying list (pending rows that failed at least once)
     INDEX ix_time_limit_task_status_attempts (status, attempts, due_at_ms),
     -- retention and the dead-task counts: finished rows by finish time and class
-    INDEX ix_time_limit_task_status_finished (status, finished_at_ms, class_name)
+    INDEX ix_time_limit_task_status_finished (status, finished_at_ms, class_name),
+    -- list and cancel by tag
+    INDEX ix_time_limit_task_tag (tag, due_at_ms)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;

@@ -7,6 +7,8 @@ import threading
 from collections import Counter
 from decimal import Decimal
 
+from sqlalchemy import Column, Integer, MetaData, String, Table, insert, update
+
 from keyexpiry import DoNotRetry, Retry, current, exposed, task
 
 CALLS: Counter[str] = Counter()
@@ -17,6 +19,27 @@ RUN_DUES: dict[str, list[int]] = {}
 GATES: dict[str, threading.Event] = {}
 BROKEN: set[str] = set()
 """Names `Probe.broken` fails for (until a test "fixes" them by removing the name)."""
+RETURNS: dict[str, object] = {}
+"""What `Probe.returns` returns for a name (default: a small dict)."""
+ENTERED: dict[str, threading.Event] = {}
+"""Set when a `Ledgered` run named so is inside its handler."""
+FAIL_FIRST: set[str] = set()
+"""Names whose first `Ledgered.note` raises after its business write."""
+business = MetaData()
+NOTES = Table(
+    "biz_note",
+    business,
+    Column("name", String(64), nullable=False),
+    Column("attempt", Integer, nullable=False),
+)
+"""A business table in the ledger's database, written by the transactional handlers."""
+COUNTERS = Table(
+    "biz_counter",
+    business,
+    Column("name", String(64), primary_key=True),
+    Column("n", Integer, nullable=False),
+)
+"""A business row `Ledgered.hang_locked` locks (by updating it) and holds."""
 _lock = threading.Lock()
 RUNS_FILE_ENV = "KEYEXPIRY_TEST_RUNS_FILE"
 """`Probe.logged` appends each run's key to the file this variable names (in any process)."""
@@ -40,6 +63,9 @@ def reset() -> None:
             gate.set()
         GATES.clear()
         BROKEN.clear()
+        RETURNS.clear()
+        ENTERED.clear()
+        FAIL_FIRST.clear()
 
 
 def runs_in(path: str | os.PathLike[str]) -> Counter[str]:
@@ -55,6 +81,12 @@ def gate(name: str) -> threading.Event:
     """The event a `Probe.wait` run named `name` blocks on."""
     with _lock:
         return GATES.setdefault(name, threading.Event())
+
+
+def entered(name: str) -> threading.Event:
+    """The event a `Ledgered` run named `name` sets once inside its handler."""
+    with _lock:
+        return ENTERED.setdefault(name, threading.Event())
 
 
 @task
@@ -124,5 +156,66 @@ class Probe:
         _note(name)
         gate(name).wait(120)
 
+    @exposed
+    def returns(self, name: str) -> object:
+        _note(name)
+        return RETURNS.get(name, {"name": name, "attempt": current().attempt})
+
     def not_exposed(self, name: str) -> None:
         raise AssertionError("a key must never reach a method that is not exposed")
+
+
+def _write_note(name: str) -> int:
+    ctx = current()
+    ctx.tx.execute(insert(NOTES).values(name=name, attempt=ctx.attempt))
+    return ctx.attempt
+
+
+@task
+class Ledgered:
+    """Transactional handlers: each writes a `biz_note` row through `current().tx`."""
+
+    @exposed(transactional=True, retry_schedule_s=[0.05, 0.05])
+    def note(self, name: str) -> int:
+        _note(name)
+        attempt = _write_note(name)
+        if name in FAIL_FIRST and attempt == 1:
+            raise RuntimeError(f"{name} fails after its write")
+        return attempt
+
+    @exposed(transactional=True, timeout_s=0.3, retry_schedule_s=[0.05])
+    def slow_first(self, name: str) -> int:
+        """The first attempt writes, then outlives its timeout until its gate opens."""
+        _note(name)
+        attempt = _write_note(name)
+        if attempt == 1:
+            entered(name).set()
+            gate(name).wait(10)
+        return attempt
+
+    @exposed(transactional=True, timeout_s=30, retry_schedule_s=[0.05])
+    def held(self, name: str) -> int:
+        """Waits for its gate, then writes (the write comes last: on SQLite a write holds the
+        database's lock, and the test changes the task's row while this waits)."""
+        _note(name)
+        entered(name).set()
+        gate(name).wait(20)
+        return _write_note(name)
+
+    @exposed(transactional=True, timeout_s=0.3, retry_schedule_s=[0.05])
+    def hang_locked(self, name: str) -> int:
+        """Counts in `biz_counter`, which locks the row; the first attempt then hangs with the
+        lock held until its gate opens."""
+        _note(name)
+        ctx = current()
+        ctx.tx.execute(update(COUNTERS).where(COUNTERS.c.name == name).values(n=COUNTERS.c.n + 1))
+        if ctx.attempt == 1:
+            entered(name).set()
+            gate(name).wait(10)
+        return ctx.attempt
+
+    @exposed(transactional=True)
+    def commits_itself(self, name: str) -> None:
+        _note(name)
+        _write_note(name)
+        current().tx.commit()

@@ -33,6 +33,7 @@ def test_an_async_handler_runs_once_and_is_recorded_done(
     key = client.create(async_tasks.AsyncProbe.record, "once", ttl_ms=50)
     row = wait_status(client, key, TaskStatus.DONE)
     assert row.attempts == 1 and row.last_error is None
+    assert row.result == "once"  # kept as a sync handler's return value is
     assert async_tasks.CALLS[key] == 1
     assert running.listener.dispatcher.stats.claimed == 1
     assert running.listener.dispatcher.wait_idle(5)

@@ -50,7 +50,7 @@ def test_sql_file_and_model_create_the_same_table(
         metadata.create_all(model_engine)
         model_engine.dispose()
         from_sql = _describe(mysql_url)
-        assert len(from_sql[0]) == 16 and len(from_sql[1]) >= 3 and from_sql[2]
+        assert len(from_sql[0]) == 18 and len(from_sql[1]) >= 4 and from_sql[2]
         assert from_sql == _describe(other)
         listeners = _describe(mysql_url, "keyexpiry_listener")
         assert len(listeners[0]) == 8 and listeners[1]

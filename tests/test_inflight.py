@@ -102,3 +102,43 @@ def test_a_sync_run_is_no_coroutine() -> None:
     inflight.add_claimed([run])
     inflight.started(run)
     assert inflight.coroutines == 0 and inflight.claim_limit() == 4
+
+
+def _tx_run(i: int, timeout_s: float) -> ClaimedRun:
+    from keyexpiry.registry import default_registry
+    from tests import sample_tasks
+
+    row = TaskRow(
+        i, f"Ledgered@note@{i}", "Ledgered", "note", (str(i),), TaskStatus.RUNNING, 1, None,
+        0, 0, 0, 0, None, "tok", 1, None,
+    )  # fmt: skip
+    spec = default_registry.spec_for(sample_tasks.Ledgered.note)
+    return ClaimedRun(row, "tok", spec, timeout_s, 1)
+
+
+def test_a_timed_out_transactional_run_hands_its_transaction_to_the_watchdog() -> None:
+    inflight = InFlight(concurrency=8, claim_batch=100)
+    late, detached, committing = _tx_run(1, 0.0), _tx_run(2, 0.0), _tx_run(3, 0.0)
+    ended: list[int] = []
+    for run in (late, detached, committing):
+        inflight.add_claimed([run])
+        inflight.started(run)
+        assert inflight.attach_tx(run, lambda r=run: ended.append(r.row.id))
+    assert inflight.committing(committing)  # about to commit: the watchdog leaves it be
+    assert inflight.detach_tx(detached)  # done with its connection before the watchdog looked
+    taken, _ = inflight.take_late(monotonic_s() + 1)
+    assert {r.row.id for r in taken} == {1, 2}
+    assert late.tx_taken and not detached.tx_taken and not committing.tx_taken
+    # The late run's connection must not be pooled again; the others' may.
+    assert not inflight.detach_tx(late)
+    assert inflight.detach_tx(committing)
+    # A run the watchdog failed before it began its transaction does not run it.
+    assert not inflight.attach_tx(_abandoned(inflight), lambda: None)
+
+
+def _abandoned(inflight: InFlight) -> ClaimedRun:
+    run = _tx_run(4, 0.0)
+    inflight.add_claimed([run])
+    inflight.started(run)
+    inflight.take_late(monotonic_s() + 1)
+    return run

@@ -111,3 +111,63 @@ def test_on_a_big_table_only_init_db_builds_a_missing_index(db_url: str) -> None
         assert "ix_time_limit_task_claimed_by" in _index_names(engine)
     finally:
         engine.dispose()
+
+
+# time_limit_task as keyexpiry created it before tags and results.
+OLD_TASK_DDL = """
+CREATE TABLE time_limit_task (
+    id               {id},
+    task_key         VARCHAR(512) NOT NULL UNIQUE,
+    class_name       VARCHAR(128) NOT NULL,
+    method           VARCHAR(128) NOT NULL,
+    args             TEXT         NOT NULL,
+    status           VARCHAR(16)  NOT NULL,
+    attempts         INTEGER      NOT NULL,
+    retry_schedule_s TEXT         NULL,
+    due_at_ms        BIGINT       NOT NULL,
+    created_at_ms    BIGINT       NOT NULL,
+    updated_at_ms    BIGINT       NOT NULL,
+    started_at_ms    BIGINT       NULL,
+    finished_at_ms   BIGINT       NULL,
+    claimed_by       VARCHAR(96)  NULL,
+    lease_until_ms   BIGINT       NULL,
+    last_error       TEXT         NULL
+)
+"""
+
+
+def test_old_task_table_gains_tag_and_result_and_the_tag_index_and_keeps_its_rows(
+    db_url: str,
+) -> None:
+    engine = make_engine(db_url)
+    try:
+        sqlite = engine.dialect.name == "sqlite"
+        id_ddl = "INTEGER PRIMARY KEY" if sqlite else "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
+        with engine.begin() as conn:
+            conn.execute(text(OLD_TASK_DDL.format(id=id_ddl)))
+            conn.execute(
+                text(
+                    "INSERT INTO time_limit_task VALUES (7, 'A@m@1', 'A', 'm', '[\"1\"]', "
+                    "'done', 1, NULL, 5000, 1000, 6000, 5001, 6000, 'h:1:x:1', NULL, NULL)"
+                )
+            )
+        store = Store(engine)
+        store.create_schema()
+        store.create_schema()  # idempotent: nothing left to add
+        columns = {c["name"] for c in inspect(engine).get_columns("time_limit_task")}
+        assert {"tag", "result"} <= columns
+        assert "ix_time_limit_task_tag" in _index_names(engine)
+        row = store.get("A@m@1")
+        assert row is not None and (row.id, row.status, row.due_at_ms, row.claimed_by) == (
+            7, "done", 5000, "h:1:x:1",
+        )  # fmt: skip
+        assert row.tag is None and row.result is None
+        with engine.begin() as conn:
+            assert add_missing_columns(conn) == []
+            assert add_missing_indexes(conn) == ([], [])
+        # The upgraded table takes tags: a reschedule of the old row with one, listed by it.
+        store.upsert_pending([NewTask("A@m@1", "A", "m", ("1",), 9_000, tag="t:1")], now_ms=8_000)
+        (tagged,) = store.list_tasks(tag="t:1")
+        assert (tagged.id, tagged.status, tagged.tag) == (7, "pending", "t:1")
+    finally:
+        engine.dispose()

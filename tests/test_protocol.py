@@ -99,6 +99,7 @@ _CONSTANTS = {
     "claimed_by": "NULL",
     "lease_until_ms": "NULL",
     "last_error": "NULL",
+    "result": "NULL",
 }
 """The values the page's create statement writes in; every other column is a `?`."""
 
@@ -128,7 +129,8 @@ def test_the_create_is_the_statement_keyexpiry_sends_to_mariadb(mysql_url: str) 
             task = NewTask("Probe@record@a%40b", "Probe", "record", ("a@b",), 1_700_000_123_456)
             sent = LiteralUpsert(conn.dialect).one(escape, task, 1_700_000_000_000)
             quoted = [escape(task.key), escape("Probe"), escape("record"), escape('["a@b"]')]
-            params = iter([*quoted, "NULL", str(task.due_at_ms), "1700000000000", "1700000000000"])
+            times = [str(task.due_at_ms), "1700000000000", "1700000000000"]
+            params = iter([*quoted, "NULL", *times, "NULL"])
             documented = re.sub(r"\?", lambda _m: next(params), BLOCKS["create"])
     finally:
         engine.dispose()
@@ -202,7 +204,7 @@ class CliProducer:
     def write_row(self, key: str, args: Sequence[str], due_ms: int, now_ms: int) -> int:
         class_name, method = key[len(self.prefix) :].split("@")[:2]
         params = [key, class_name, method, json.dumps(list(args), ensure_ascii=False), None]
-        return self.execute("create", [*params, due_ms, now_ms, now_ms])
+        return self.execute("create", [*params, due_ms, now_ms, now_ms, None])
 
     def arm(self, key: str, due_ms: int, now_ms: int) -> None:
         values = {"key": key, "due_at_ms": max(due_ms, 1), "prefix": self.prefix, "db": self.db}

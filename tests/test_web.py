@@ -206,3 +206,17 @@ def test_keyexpiry_web_serves_the_dashboard(cli_env: dict[str, str], client: Cli
         proc.terminate()
         _, err = proc.communicate(timeout=15)
     assert proc.returncode in (0, -15), err.decode()
+
+
+def test_a_task_page_shows_its_tag_and_result_escaped(web: TestClient, client: Client) -> None:
+    key = client.create(record, "tagged", ttl_s=600, tag="order:<218>")
+    now = client.clock.now_ms()
+    (row,) = client.store.claim([key], now_ms=now + 600_000, lease_until_ms=now + 1, token="t")
+    done = Outcome(row.id, key, "t", TaskStatus.DONE, now, now, None, '{"html": "<b>"}')
+    client.store.record([done], now)
+    page = web.get("/task", params={"key": key}).text
+    assert '<dd id="tag">order:&lt;218&gt;</dd>' in page
+    assert "<code>{&#34;html&#34;: &#34;&lt;b&gt;&#34;}</code>" in page
+    untagged = client.create(record, "plain", ttl_s=600)
+    page = web.get("/task", params={"key": untagged}).text
+    assert '<dd id="tag">-</dd>' in page and '<dd id="result">-</dd>' in page
