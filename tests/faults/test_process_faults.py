@@ -473,6 +473,9 @@ class RunsFile(Mapping[str, int]):
         return len(self._read())
 
 
+# ~70 s on an idle 2-core machine (100k rows written, expired and run): the suite's 120 s
+# limit is too close when the machine is shared.
+@pytest.mark.timeout(300)
 def test_listener_stopped_while_100k_tasks_expire_catches_up(
     redis_factory: RedisFactory, mysql_url: str, tmp_path: Path, spawn: Spawned, verdict: Verdict
 ) -> None:
