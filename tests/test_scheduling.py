@@ -48,7 +48,7 @@ def test_what_each_rule_does_to_each_state(
 def test_scheduled_is_the_key_as_a_str() -> None:
     s = Scheduled("Probe@record@a", Did.KEPT, 1234)
     assert s == "Probe@record@a" and isinstance(s, str) and hash(s) == hash("Probe@record@a")
-    assert {s: 1}["Probe@record@a"] == 1
+    assert dict[str, int]({s: 1})["Probe@record@a"] == 1
     assert json.dumps([s]) == '["Probe@record@a"]'
     again = pickle.loads(pickle.dumps(s))
     assert (again, again.outcome, again.due_at_ms) == (s, Did.KEPT, 1234)
