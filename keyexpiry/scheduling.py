@@ -119,7 +119,7 @@ class ScheduleQueries(Ledger):
         read with their write lock held (SELECT … FOR UPDATE; on SQLite the database's write lock
         from the start), so no claim or other create changes them between the decision and the
         write. Returns key → (what was done, due time afterwards)."""
-        for attempt in range(3):
+        for _ in range(3):
             try:
                 with self._tx() as conn:
                     if conn.dialect.name == "sqlite":
@@ -127,9 +127,8 @@ class ScheduleQueries(Ledger):
                         conn.exec_driver_sql("BEGIN IMMEDIATE")
                     return self._schedule_on(conn, tasks, rules, now_ms)
             except _Raced:
-                if attempt == 2:
-                    raise StoreError("a task's key kept being created concurrently") from None
-        raise AssertionError("unreachable")
+                continue  # rolled back; the row is there now, and the next read locks it
+        raise StoreError("a task's key kept being created concurrently")
 
     def schedule_in(
         self, conn: Connection, tasks: Sequence[NewTask], rules: Sequence[IfExists], now_ms: int

@@ -7,14 +7,16 @@ import json
 import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, event
 
 from keyexpiry import Client, Did, IfExists, Scheduled, Settings, TaskRequest
 from keyexpiry.errors import ArgumentError
 from keyexpiry.scheduling import decide
-from keyexpiry.store import Outcome, TaskStatus
+from keyexpiry.store import NewTask, Outcome, TaskStatus
+from tests.ke import make_settings
 
 OLD_S = 100
 """A pending task's due time in these tests, seconds from now."""
@@ -241,3 +243,41 @@ def test_rules_against_a_concurrent_claim_lose_and_double_nothing(
             assert abs(pttl_ms - want_ms) < 1500, (key, did, pttl_ms, want_ms)
         else:
             assert row.claimed_by == f"c-{key}" and row.attempts == 1  # one run, not two
+
+
+@pytest.mark.parametrize("in_tx", [False, True], ids=["own-tx", "caller-tx"])
+def test_a_key_created_between_the_read_and_the_insert_is_read_again(
+    mysql_url: str, redis_url: str, tmp_path: Path, in_tx: bool
+) -> None:
+    """MariaDB (READ COMMITTED: no gap lock on a key that is not there yet): another create
+    commits the key after this one found it absent. The INSERT fails on the duplicate, the rows
+    are read again under their lock, and the rule applies to the row that is there."""
+    with Client(make_settings(redis_url, mysql_url, tmp_path)) as client:
+        key = client.key_for("Probe.record", "raced")
+        app = create_engine(mysql_url, isolation_level="READ COMMITTED")
+        engine = app if in_tx else client.store.engine
+        sneaked: list[bool] = []
+
+        def sneak_in(_c: object, _cur: object, statement: str, *_: object) -> None:
+            if statement.startswith("INSERT INTO time_limit_task") and not sneaked:
+                sneaked.append(True)
+                now = client.clock.now_ms()
+                # The autocommit pool: another connection, committed at once.
+                client.store.upsert_pending([NewTask(key, "Probe", "record", ("raced",), now)], now)
+
+        event.listen(engine, "before_cursor_execute", sneak_in)
+        try:
+            if in_tx:
+                with app.begin() as conn:
+                    got = client.create(
+                        "Probe.record", "raced", ttl_s=60, if_exists="keep", tx=conn
+                    )
+            else:
+                got = client.create("Probe.record", "raced", ttl_s=60, if_exists="keep")
+        finally:
+            event.remove(engine, "before_cursor_execute", sneak_in)
+            app.dispose()
+        assert sneaked and got.outcome is Did.KEPT
+        row = client.store.get(key)
+        assert row is not None and row.due_at_ms == got.due_at_ms
+        assert row.due_at_ms - row.created_at_ms < 1000  # the other create's, not 60 s
