@@ -148,7 +148,8 @@ class Client:
             conn = self._join(tx)
             done = self.store.schedule_in(conn, tasks, order, now_ms)
             changed = [k for k, (did, _) in done.items() if did is not Did.KEPT]
-            after_commit(conn, self._sync_keys, created=changed)
+            if changed:
+                after_commit(conn, self._sync_keys, created=changed)
             return [Scheduled(t.key, *done[t.key]) for t in tasks]
         # Row first: a row without a key is repaired by reconciliation; a key without a row
         # would never run.
