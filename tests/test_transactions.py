@@ -241,3 +241,18 @@ def test_rows_committed_without_their_key_are_armed_by_the_listener(
     late_ms = done.started_at_ms - done.due_at_ms
     # stuck_after_s (0.5 s) + lease_check_s (0.3 s) in these settings, plus scheduling slack.
     assert late_ms < settings.stuck_after_s * 1000 + settings.lease_check_s * 1000 + 1500
+
+
+def test_a_session_joined_to_an_outer_transaction_arms_at_the_outer_commit(
+    client: Client, app_engine: Engine
+) -> None:
+    """The test-suite pattern: a Session bound to a Connection already in a transaction. Its
+    commit() commits nothing (the outer transaction does), so nothing is armed until then."""
+    with app_engine.connect() as conn:
+        outer = conn.begin()
+        with Session(bind=conn) as session:
+            key = client.create("Probe.record", "joined", ttl_s=60, tx=session)
+            session.commit()
+            assert client.redis.exists(key) == 0 and client.store.get(key) is None
+        outer.commit()
+    assert client.redis.exists(key) == 1
