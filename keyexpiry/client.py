@@ -147,18 +147,20 @@ class Client:
         if tx is not None:
             conn = self._join(tx)
             done = self.store.schedule_in(conn, tasks, order, now_ms)
-            changed = [k for k, (did, _) in done.items() if did is not Did.KEPT]
+            changed = [t.key for t, d in zip(tasks, done, strict=True) if d[0] is not Did.KEPT]
             if changed:
                 after_commit(conn, self._sync_keys, created=changed)
-            return [Scheduled(t.key, *done[t.key]) for t in tasks]
+            return _scheduled(tasks, done)
         # Row first: a row without a key is repaired by reconciliation; a key without a row
         # would never run.
         if all(rule is IfExists.REPLACE for rule in order):
             done = self.store.upsert_pending(tasks, now_ms)
+            self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
         else:
             done = self.store.schedule(tasks, order, now_ms)
-        self._arm([(t.key, t.due_at_ms) for t in tasks if done[t.key][0] is not Did.KEPT], now_ms)
-        return [Scheduled(t.key, *done[t.key]) for t in tasks]
+            pairs = zip(tasks, done, strict=True)
+            self._arm([(t.key, t.due_at_ms) for t, d in pairs if d[0] is not Did.KEPT], now_ms)
+        return _scheduled(tasks, done)
 
     # --- cancel / inspect ---------------------------------------------------------------------
     def cancel(self, target: Target, *args: object, tx: Tx | None = None) -> bool:
@@ -311,6 +313,11 @@ class Client:
                 f"task recorded in the ledger but its Redis key was not set ({exc}); "
                 "reconciliation will set it, or create it again"
             ) from None
+
+
+def _scheduled(tasks: Sequence[NewTask], done: Sequence[tuple[Did, int]]) -> list[Scheduled]:
+    """The keys of `tasks` with what was done to each, as `create_many` returns them."""
+    return [Scheduled(t.key, did, due) for t, (did, due) in zip(tasks, done, strict=True)]
 
 
 def due_at_ms(

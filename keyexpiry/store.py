@@ -102,16 +102,16 @@ class Store(
 
     # --- create / cancel / read -----------------------------------------------------------------
     @retried_once
-    def upsert_pending(self, tasks: Sequence[NewTask], now_ms: int) -> dict[str, tuple[Did, int]]:
+    def upsert_pending(self, tasks: Sequence[NewTask], now_ms: int) -> list[tuple[Did, int]]:
         """Insert each task as pending, or reset an existing key to pending at its new due time
-        (`IfExists.REPLACE`); returns key → (created or replaced, due time).
+        (`IfExists.REPLACE`); returns (created or replaced, due time) for each task, in order.
 
         One transaction; on MySQL/MariaDB a single task is one autocommitted statement (one round
         trip: creating one task at a time is bound by round trips), whose affected rows say
         whether the key was new.
         """
         if not tasks:
-            return {}
+            return []
         if not self._literal_upserts:
             # SQLite (and MySQL drivers other than PyMySQL): what existed is read in the same
             # transaction; without round trips to save, the exact path costs little.
@@ -124,7 +124,7 @@ class Store(
                 )
             )
             # 1: inserted; 2: an existing row reset; 0: reset to the very values it held.
-            return {task.key: (Did.CREATED if changed == 1 else Did.REPLACED, task.due_at_ms)}
+            return [(Did.CREATED if changed == 1 else Did.REPLACED, task.due_at_ms)]
         try:
             with self._tx() as conn:
                 escape = conn.connection.driver_connection.escape  # type: ignore[union-attr]
@@ -135,7 +135,7 @@ class Store(
                 # reset. All new or all existing says it for every key; a mix says nothing.
                 if affected in (len(tasks), 2 * len(tasks)):
                     did = Did.CREATED if affected == len(tasks) else Did.REPLACED
-                    return {t.key: (did, t.due_at_ms) for t in tasks}
+                    return [(did, t.due_at_ms) for t in tasks]
                 raise _Mixed()
         except _Mixed:
             # Rolled back: done again with the rows read first (a mix is the rare bulk create).

@@ -52,9 +52,11 @@ def test_commit_writes_the_row_then_arms_the_key_and_the_task_runs(
         assert not _committed_in_another_session(client, key)
         assert client.redis.exists(key) == 0
         assert pending_for(conn)
+    pttl_ms = _key_ttl_ms(client, key)
     row = client.store.get(key)
-    assert row is not None and row.status is TaskStatus.PENDING
-    assert 0 < _key_ttl_ms(client, key) <= 300
+    assert row is not None
+    # Armed at the commit: alive until its due time, or already expired and claimed (a slow CI).
+    assert pttl_ms <= 300 and (pttl_ms > 0 or row.status is not TaskStatus.PENDING)
     done = wait_status(client, key, TaskStatus.DONE)
     assert done.attempts == 1 and sample_tasks.CALLS[key] == 1
 
