@@ -133,17 +133,24 @@ class Client:
         """
         now_ms = self._now_ms()
         new: dict[str, NewTask] = {}
+        # Only the keys whose (last) request is not "replace": a bulk create of the default rule
+        # pays nothing per task for the rules.
         rules: dict[str, IfExists] = {}
+        replace = IfExists.REPLACE
         for req in requests:
             spec = self.spec(req.target)
             encoded = spec.encode_args(req.args)
             key = format_key(spec.class_name, spec.method, encoded, prefix=self.settings.key_prefix)
             schedule = limits.delays(req.retry_schedule_s, "retry_schedule_s", ArgumentError)
             due = due_at_ms(now_ms, ttl_s=req.ttl_s, ttl_ms=req.ttl_ms, at=req.at)
-            rules[key] = IfExists.of(req.if_exists)
+            rule = IfExists.of(req.if_exists)
+            if rule is not replace:
+                rules[key] = rule
+            elif rules:
+                rules.pop(key, None)
             new[key] = NewTask(key, spec.class_name, spec.method, encoded, due, schedule)
         tasks = list(new.values())
-        order = [rules[t.key] for t in tasks]
+        order = [rules.get(t.key, replace) for t in tasks] if rules or tx is not None else []
         if tx is not None:
             conn = self._join(tx)
             done = self.store.schedule_in(conn, tasks, order, now_ms)
@@ -153,7 +160,7 @@ class Client:
             return _scheduled(tasks, done)
         # Row first: a row without a key is repaired by reconciliation; a key without a row
         # would never run.
-        if all(rule is IfExists.REPLACE for rule in order):
+        if not rules:
             done = self.store.upsert_pending(tasks, now_ms)
             self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
         else:
