@@ -15,14 +15,16 @@ run to keep: every rule schedules a new one (a running run still ends, unrecorde
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal, cast
 
-from sqlalchemy import Connection, insert, select
+from sqlalchemy import Connection, Select, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+# The claim's list helpers: IN lists of a few fixed sizes, each compiled once.
+from keyexpiry.claims import _KEY, _lists
 from keyexpiry.errors import ArgumentError, StoreError
 from keyexpiry.ledger import Ledger, retried_once
 from keyexpiry.rows import NewTask, TaskStatus, args_json, schedule_json
@@ -167,7 +169,8 @@ class ScheduleQueries(Ledger):
                 result.append((did, prior[task.key][1]))
                 continue
             result.append((did, task.due_at_ms))
-            (fresh if did is Did.CREATED else reset).append(task)
+            # Replace writes whatever is there by then: the upsert, one statement for all.
+            (fresh if did is Did.CREATED and rule is not IfExists.REPLACE else reset).append(task)
         if fresh:
             # A plain INSERT: a row created since the read fails it (and the read is redone),
             # where an upsert would overwrite a task the rule may have had to keep.
@@ -182,14 +185,17 @@ class ScheduleQueries(Ledger):
 
     def _locked_rows(self, conn: Connection, keys: Sequence[str]) -> dict[str, Prior]:
         """(status, due) of the rows of `keys` that exist, locked until the transaction ends."""
+        lock = conn.dialect.name != "sqlite"
+        own = conn.engine is self.engine
         found: dict[str, Prior] = {}
-        for start in range(0, len(keys), 1000):
-            q = select(T.c.task_key, T.c.status, T.c.due_at_ms).where(
-                T.c.task_key.in_(list(keys[start : start + 1000]))
-            )
-            if conn.dialect.name != "sqlite":
-                q = q.with_for_update()
-            for key, status, due in conn.execute(q):
+        for part in _lists(keys):
+            values = dict(zip(_KEY, part, strict=False))
+            if own:
+                # Compiled once per list size: a single create pays no statement building.
+                result = self._prepare(_prior_rows, len(part), lock).run(conn, values)
+            else:
+                result = conn.execute(_prior_rows(len(part), lock), values)
+            for key, status, due in cast(Iterable[tuple[Any, Any, Any]], result):
                 found[str(key)] = (str(status), int(due))
         return found
 
@@ -212,6 +218,13 @@ class ScheduleQueries(Ledger):
             "lease_until_ms": None,
             "last_error": None,
         }
+
+
+def _prior_rows(size: int, lock: bool) -> Select[str, str, int]:
+    q = select(T.c.task_key, T.c.status, T.c.due_at_ms).where(
+        T.c.task_key.in_([bindparam(name) for name in _KEY[:size]])
+    )
+    return q.with_for_update() if lock else q
 
 
 class _Raced(Exception):
