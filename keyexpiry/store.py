@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from loguru import logger
 from sqlalchemy import Connection, and_, func, inspect, or_, select, update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from keyexpiry.claims import ClaimQueries
 from keyexpiry.errors import StoreError
@@ -146,18 +146,28 @@ class Store(
         # Under the write lock from the start, the rows inserted are those whose id passes the
         # largest id before (a rowid table numbers new rows upwards); a reset row keeps its id.
         # Reading the new rows back after the write costs less than reading every key before.
+        # The two reads and the BEGIN go to sqlite3's cursor directly: through SQLAlchemy each
+        # cost a single create more than the upsert itself.
         rows = [self._bound_row(t, now_ms) for t in tasks]
-        with self._tx() as conn:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-            before = conn.exec_driver_sql(f"SELECT max(id) FROM {TABLE_NAME}").scalar()
-            # One statement run as executemany: sqlite3 loops in C.
-            for start in range(0, len(rows), 5000):
-                conn.execute(self._upsert, rows[start : start + 5000])
-            inserted = set(
-                conn.exec_driver_sql(
-                    f"SELECT task_key FROM {TABLE_NAME} WHERE id > ?", (before or 0,)
-                ).scalars()
-            )
+        dbapi_error = self.engine.dialect.loaded_dbapi.Error
+        try:
+            with self._tx() as conn:
+                cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+                try:
+                    cursor.execute("BEGIN IMMEDIATE")
+                    (before,) = cursor.execute(f"SELECT max(id) FROM {TABLE_NAME}").fetchone()
+                    # One statement run as executemany: sqlite3 loops in C.
+                    for start in range(0, len(rows), 5000):
+                        conn.execute(self._upsert, rows[start : start + 5000])
+                    found = cursor.execute(
+                        f"SELECT task_key FROM {TABLE_NAME} WHERE id > ?", (before or 0,)
+                    )
+                    inserted = {key for (key,) in found}
+                finally:
+                    cursor.close()
+        except dbapi_error as exc:  # from the cursor used directly, unwrapped
+            wrapped = DBAPIError.instance(None, None, exc, dbapi_error, dialect=self.engine.dialect)
+            raise self._store_error(wrapped) from exc
         return [(Did.CREATED if t.key in inserted else Did.REPLACED, t.due_at_ms) for t in tasks]
 
     def cancel_in(self, conn: Connection, keys: Sequence[str], now_ms: int) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sqlite3
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,9 +14,9 @@ import pytest
 from sqlalchemy import Engine, create_engine, event
 
 from keyexpiry import Client, Did, IfExists, Scheduled, Settings, TaskRequest
-from keyexpiry.errors import ArgumentError
+from keyexpiry.errors import ArgumentError, StoreError
 from keyexpiry.scheduling import decide
-from keyexpiry.store import NewTask, Outcome, TaskStatus
+from keyexpiry.store import NewTask, Outcome, Store, TaskStatus
 from tests.ke import make_settings
 
 OLD_S = 100
@@ -281,3 +282,18 @@ def test_a_key_created_between_the_read_and_the_insert_is_read_again(
         row = client.store.get(key)
         assert row is not None and row.due_at_ms == got.due_at_ms
         assert row.due_at_ms - row.created_at_ms < 1000  # the other create's, not 60 s
+
+
+def test_a_locked_sqlite_ledger_is_a_store_error(sqlite_url: str) -> None:
+    """The SQLite create talks to sqlite3's cursor directly for its reads: its errors are still
+    StoreError, not the driver's."""
+    store = Store(create_engine(sqlite_url, connect_args={"timeout": 0.05}))
+    store.create_schema()
+    holder = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        with pytest.raises(StoreError, match="locked"):
+            store.upsert_pending([NewTask("A@m@1", "A", "m", ("1",), 1)], 1)
+    finally:
+        holder.close()
+        store.engine.dispose()
