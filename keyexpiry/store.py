@@ -159,9 +159,14 @@ class Store(
                     # One statement run as executemany: sqlite3 loops in C.
                     for start in range(0, len(rows), 5000):
                         conn.execute(self._upsert, rows[start : start + 5000])
-                    found = cursor.execute(
-                        f"SELECT task_key FROM {TABLE_NAME} WHERE id > ?", (before or 0,)
-                    )
+                    after = (before or 0,)
+                    (n,) = cursor.execute(
+                        f"SELECT count(*) FROM {TABLE_NAME} WHERE id > ?", after
+                    ).fetchone()
+                    if n in (0, len(tasks)):  # all new or all existing: no key to fetch
+                        did = Did.CREATED if n else Did.REPLACED
+                        return [(did, t.due_at_ms) for t in tasks]
+                    found = cursor.execute(f"SELECT task_key FROM {TABLE_NAME} WHERE id > ?", after)
                     inserted = {key for (key,) in found}
                 finally:
                     cursor.close()
