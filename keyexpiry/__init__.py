@@ -6,15 +6,19 @@ from keyexpiry.errors import DoNotRetry, KeyExpiryError, Retry
 from keyexpiry.listener import Listener
 from keyexpiry.registry import Registry, default_registry, exposed, task
 from keyexpiry.rows import TaskRow, TaskStatus
+from keyexpiry.scheduling import Did, IfExists, Scheduled
 from keyexpiry.settings import Settings
 
 __all__ = [
     "Client",
+    "Did",
     "DoNotRetry",
+    "IfExists",
     "KeyExpiryError",
     "Listener",
     "Registry",
     "Retry",
+    "Scheduled",
     "Settings",
     "TaskContext",
     "TaskRequest",

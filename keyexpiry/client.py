@@ -16,6 +16,7 @@ from keyexpiry.errors import ArgumentError, RedisUnavailableError, UnknownTaskEr
 from keyexpiry.keys import braces_unescaped, clip, format_key
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
+from keyexpiry.scheduling import Did, IfExists, Rule, Scheduled
 from keyexpiry.settings import Settings
 from keyexpiry.store import NewTask, Store, TaskRow, TaskStatus
 from keyexpiry.tags import check_tag
@@ -36,6 +37,8 @@ class TaskRequest:
     at: dt.datetime | None = None
     retry_schedule_s: Sequence[float] | None = None
     tag: str | None = None
+    if_exists: Rule = "replace"
+    """What to do when the task's key has a row already (`keyexpiry.scheduling`)."""
 
 
 class Client:
@@ -100,14 +103,21 @@ class Client:
         at: dt.datetime | None = None,
         retry_schedule_s: Sequence[float] | None = None,
         tag: str | None = None,
+        if_exists: Rule = "replace",
         tx: Tx | None = None,
-    ) -> str:
+    ) -> Scheduled:
         """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
 
-        Creating a task whose key exists reschedules it (one row, one key): whatever its state,
-        exactly one run happens at or after the new due time. A run already claimed for the old
-        due time (running, or claimed just before this) still happens, unrecorded. Returns the key.
+        A task is its key: one row, one key. When the key has a row already, `if_exists` says
+        what happens (`keyexpiry.scheduling`): "replace" (the default) reschedules it whatever
+        its state, so exactly one run happens at or after the new due time; "keep" leaves a
+        pending task's due time as it is; "earlier" / "later" move it only that way. A task that
+        is not pending is scheduled anew under every rule; a run already claimed for the old due
+        time (running, or claimed just before this) still happens, unrecorded.
 
+        Returns the key as a `Scheduled`: a `str` with `.outcome` ("created", "replaced",
+        "moved" or "kept") and `.due_at_ms` (the task's due time afterwards). A kept task's key
+        is left as it was.
 
         `tag`: a business key (`"order:218"`, 1 to 128 characters) to find and cancel tasks by
         (`list(tag=)`, `cancel_tag`); a reschedule without one keeps the task's tag.
@@ -116,36 +126,58 @@ class Client:
         written in the caller's transaction and the key is set once that commits; a rollback
         leaves neither (`keyexpiry.transactions`).
         """
-        request = TaskRequest(target, args, ttl_s, ttl_ms, at, retry_schedule_s, tag)
+        request = TaskRequest(
+            target, args, ttl_s, ttl_ms, at, retry_schedule_s, tag=tag, if_exists=if_exists
+        )
         return self.create_many([request], tx=tx)[0]
 
-    def create_many(self, requests: Iterable[TaskRequest], *, tx: Tx | None = None) -> list[str]:
+    def create_many(
+        self, requests: Iterable[TaskRequest], *, tx: Tx | None = None
+    ) -> list[Scheduled]:
         """Schedule many tasks with one ledger transaction and one Redis pipeline.
 
         All arguments are checked first: one bad request means nothing is written. With `tx`,
-        in the caller's transaction, as in `create`.
+        in the caller's transaction, as in `create`. A key requested twice counts once, as its
+        last request says, in the place of its first. Returns one `Scheduled` per key.
         """
         now_ms = self._now_ms()
         new: dict[str, NewTask] = {}
+        # Only the keys whose (last) request is not "replace": a bulk create of the default rule
+        # pays nothing per task for the rules.
+        rules: dict[str, IfExists] = {}
+        replace = IfExists.REPLACE
         for req in requests:
             spec = self.spec(req.target)
             encoded = spec.encode_args(req.args)
             key = format_key(spec.class_name, spec.method, encoded, prefix=self.settings.key_prefix)
             schedule = limits.delays(req.retry_schedule_s, "retry_schedule_s", ArgumentError)
             due = due_at_ms(now_ms, ttl_s=req.ttl_s, ttl_ms=req.ttl_ms, at=req.at)
+            rule = IfExists.of(req.if_exists)
+            if rule is not replace:
+                rules[key] = rule
+            elif rules:
+                rules.pop(key, None)
             tag = check_tag(req.tag, ArgumentError)
             new[key] = NewTask(key, spec.class_name, spec.method, encoded, due, schedule, tag)
         tasks = list(new.values())
+        order = [rules.get(t.key, replace) for t in tasks] if rules or tx is not None else []
         if tx is not None:
             conn = self._join(tx)
-            self.store.upsert_pending_in(conn, tasks, now_ms)
-            after_commit(conn, self._sync_keys, created=[t.key for t in tasks])
-            return [t.key for t in tasks]
+            done = self.store.schedule_in(conn, tasks, order, now_ms)
+            changed = [t.key for t, d in zip(tasks, done, strict=True) if d[0] is not Did.KEPT]
+            if changed:
+                after_commit(conn, self._sync_keys, created=changed)
+            return _scheduled(tasks, done)
         # Row first: a row without a key is repaired by reconciliation; a key without a row
         # would never run.
-        self.store.upsert_pending(tasks, now_ms)
-        self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
-        return [t.key for t in tasks]
+        if not rules:
+            done = self.store.upsert_pending(tasks, now_ms)
+            self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
+        else:
+            done = self.store.schedule(tasks, order, now_ms)
+            pairs = zip(tasks, done, strict=True)
+            self._arm([(t.key, t.due_at_ms) for t, d in pairs if d[0] is not Did.KEPT], now_ms)
+        return _scheduled(tasks, done)
 
     # --- cancel / inspect ---------------------------------------------------------------------
     def cancel(self, target: Target, *args: object, tx: Tx | None = None) -> bool:
@@ -324,6 +356,11 @@ class Client:
                 f"task recorded in the ledger but its Redis key was not set ({exc}); "
                 "reconciliation will set it, or create it again"
             ) from None
+
+
+def _scheduled(tasks: Sequence[NewTask], done: Sequence[tuple[Did, int]]) -> list[Scheduled]:
+    """The keys of `tasks` with what was done to each, as `create_many` returns them."""
+    return [Scheduled(t.key, did, due) for t, (did, due) in zip(tasks, done, strict=True)]
 
 
 def due_at_ms(

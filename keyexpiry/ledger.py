@@ -178,9 +178,10 @@ class Ledger:
             if "Unknown thread id" not in str(exc):
                 raise
 
-    def _autocommitted(self, build: Callable[[Dialect, Any], str]) -> None:
+    def _autocommitted(self, build: Callable[[Dialect, Any], str]) -> int:
         """Run the statement `build(dialect, driver_connection)` returns on its own, committed
-        by the server as it runs: one round trip, nothing before or after it.
+        by the server as it runs: one round trip, nothing before or after it. Returns its
+        affected rows (changed rows: this pool does not ask for found rows).
 
         Only for a statement that is a whole transaction by itself, and only where
         `self._autocommit` exists. The DBAPI cursor is used directly: a SQLAlchemy `Connection`
@@ -210,6 +211,7 @@ class Ledger:
             statement = build(dialect, raw.driver_connection)
             cursor = raw.cursor()
             cursor.execute(statement)
+            return int(cursor.rowcount)
         except dialect.loaded_dbapi.Error as exc:
             gone = dialect.is_disconnect(exc, raw.dbapi_connection, cursor)
             if gone:

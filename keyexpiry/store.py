@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from loguru import logger
 from sqlalchemy import Connection, and_, func, inspect, or_, select, update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from keyexpiry.claims import ClaimQueries
 from keyexpiry.errors import StoreError
@@ -24,10 +24,11 @@ from keyexpiry.ledger import retried_once
 from keyexpiry.lookups import LookupQueries
 from keyexpiry.migrations import BUILD_ON_START_MAX_ROWS, add_missing_columns, add_missing_indexes
 from keyexpiry.retention import RetentionQueries
-from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus, args_json, schedule_json
+from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.scans import ScanQueries
-from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task, upsert_statement
+from keyexpiry.scheduling import Did, IfExists, ScheduleQueries
+from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task
 from keyexpiry.transactions import database_identity
 
 # Statements whose values are written into them: no `%` in them is a placeholder for PyMySQL.
@@ -47,7 +48,13 @@ __all__ = [
 ]
 
 
-class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, RetentionQueries):
+class _Mixed(Exception):
+    """A bulk create found some keys new and some existing: which, its affected rows cannot say."""
+
+
+class Store(
+    ScheduleQueries, ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, RetentionQueries
+):
     """Queries on `time_limit_task`; every method raises StoreError, never a driver exception.
 
     Business code's queries (create, cancel, read) and the schema are here; the listener's are in
@@ -116,68 +123,78 @@ class Store(ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, Retentio
 
     # --- create / cancel / read -----------------------------------------------------------------
     @retried_once
-    def upsert_pending(self, tasks: Sequence[NewTask], now_ms: int) -> None:
-        """Insert each task as pending, or reset an existing key to pending at its new due time.
+    def upsert_pending(self, tasks: Sequence[NewTask], now_ms: int) -> list[tuple[Did, int]]:
+        """Insert each task as pending, or reset an existing key to pending at its new due time
+        (`IfExists.REPLACE`); returns (created or replaced, due time) for each task, in order.
 
         One transaction; on MySQL/MariaDB a single task is one autocommitted statement (one round
-        trip: creating one task at a time is bound by round trips).
+        trip: creating one task at a time is bound by round trips), whose affected rows say
+        whether the key was new.
         """
         if not tasks:
-            return
-        if self._literal_upserts:
-            if len(tasks) == 1 and self._autocommit is not None:
-                (task,) = tasks
-                self._autocommitted(
-                    lambda dialect, dbapi_conn: self._literal(dialect).one(
-                        dbapi_conn.escape, task, now_ms
-                    )
+            return []
+        if self.engine.dialect.name == "sqlite":
+            return self._upsert_sqlite(tasks, now_ms)
+        if not self._literal_upserts:
+            # MySQL drivers other than PyMySQL: what existed is read first, in the transaction.
+            return self.schedule(tasks, [IfExists.REPLACE] * len(tasks), now_ms)
+        if len(tasks) == 1 and self._autocommit is not None:
+            (task,) = tasks
+            changed = self._autocommitted(
+                lambda dialect, dbapi_conn: self._literal(dialect).one(
+                    dbapi_conn.escape, task, now_ms
                 )
-                return
+            )
+            # 1: inserted; 2: an existing row reset; 0: reset to the very values it held.
+            return [(Did.CREATED if changed == 1 else Did.REPLACED, task.due_at_ms)]
+        try:
             with self._tx() as conn:
                 escape = conn.connection.driver_connection.escape  # type: ignore[union-attr]
+                affected = 0
                 for sql in self._literal(conn.dialect).statements(escape, tasks, now_ms):
-                    conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
-            return
-        # One statement run as executemany: sqlite3 loops in C (other MySQL drivers fold it into
-        # multi-row INSERTs), so a bulk create costs a few round trips, not one a task.
-        rows = [self._bound_row(t, now_ms) for t in tasks]
-        with self._tx() as conn:
-            for start in range(0, len(rows), 5000):
-                conn.execute(self._upsert, rows[start : start + 5000])
+                    affected += conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS).rowcount
+                # Found rows (this pool asks for them): 1 a row inserted (or unchanged), 2 a row
+                # reset. All new or all existing says it for every key; a mix says nothing.
+                if affected in (len(tasks), 2 * len(tasks)):
+                    did = Did.CREATED if affected == len(tasks) else Did.REPLACED
+                    return [(did, t.due_at_ms) for t in tasks]
+                raise _Mixed()
+        except _Mixed:
+            # Rolled back: done again with the rows read first (a mix is the rare bulk create).
+            return self.schedule(tasks, [IfExists.REPLACE] * len(tasks), now_ms)
 
-    @staticmethod
-    def _bound_row(t: NewTask, now_ms: int) -> dict[str, object]:
-        return {
-            "task_key": t.key,
-            "class_name": t.class_name,
-            "method": t.method,
-            "args": args_json(t.args),
-            "status": TaskStatus.PENDING.value,
-            "attempts": 0,
-            "retry_schedule_s": schedule_json(t.retry_schedule_s),
-            "due_at_ms": t.due_at_ms,
-            "created_at_ms": now_ms,
-            "updated_at_ms": now_ms,
-            "started_at_ms": None,
-            "finished_at_ms": None,
-            "claimed_by": None,
-            "lease_until_ms": None,
-            "last_error": None,
-            "tag": t.tag,
-            "result": None,
-        }
-
-    def upsert_pending_in(self, conn: Connection, tasks: Sequence[NewTask], now_ms: int) -> None:
-        """`upsert_pending` on the caller's connection, in its transaction (not retried: a
-        statement that fails leaves the caller's transaction to the caller)."""
+    def _upsert_sqlite(self, tasks: Sequence[NewTask], now_ms: int) -> list[tuple[Did, int]]:
+        # Under the write lock from the start, the rows inserted are those whose id passes the
+        # largest id before (a rowid table numbers new rows upwards); a reset row keeps its id.
+        # Reading the new rows back after the write costs less than reading every key before.
+        # The two reads and the BEGIN go to sqlite3's cursor directly: through SQLAlchemy each
+        # cost a single create more than the upsert itself.
         rows = [self._bound_row(t, now_ms) for t in tasks]
-        same = conn.dialect.name == self.engine.dialect.name
-        statement = self._upsert if same else upsert_statement(conn.dialect.name)
+        dbapi_error = self.engine.dialect.loaded_dbapi.Error
         try:
-            for start in range(0, len(rows), 5000):
-                conn.execute(statement, rows[start : start + 5000])
-        except SQLAlchemyError as exc:
-            raise self._store_error(exc) from exc
+            with self._tx() as conn:
+                cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+                try:
+                    cursor.execute("BEGIN IMMEDIATE")
+                    (before,) = cursor.execute(f"SELECT max(id) FROM {TABLE_NAME}").fetchone()
+                    # One statement run as executemany: sqlite3 loops in C.
+                    for start in range(0, len(rows), 5000):
+                        conn.execute(self._upsert, rows[start : start + 5000])
+                    after = (before or 0,)
+                    (n,) = cursor.execute(
+                        f"SELECT count(*) FROM {TABLE_NAME} WHERE id > ?", after
+                    ).fetchone()
+                    if n in (0, len(tasks)):  # all new or all existing: no key to fetch
+                        did = Did.CREATED if n else Did.REPLACED
+                        return [(did, t.due_at_ms) for t in tasks]
+                    found = cursor.execute(f"SELECT task_key FROM {TABLE_NAME} WHERE id > ?", after)
+                    inserted = {key for (key,) in found}
+                finally:
+                    cursor.close()
+        except dbapi_error as exc:  # from the cursor used directly, unwrapped
+            wrapped = DBAPIError.instance(None, None, exc, dbapi_error, dialect=self.engine.dialect)
+            raise self._store_error(wrapped) from exc
+        return [(Did.CREATED if t.key in inserted else Did.REPLACED, t.due_at_ms) for t in tasks]
 
     def cancel_in(self, conn: Connection, keys: Sequence[str], now_ms: int) -> list[str]:
         """`cancel` on the caller's connection, in its transaction."""

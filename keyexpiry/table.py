@@ -188,6 +188,17 @@ def _read_committed(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+_CLIENT_FOUND_ROWS = 2
+"""The MySQL protocol's capability flag that makes affected rows count matched rows."""
+
+
+def _changed_rows_only(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    # SQLAlchemy asks every MySQL connection for found rows. Without it, an upsert's affected
+    # rows say what it did (1 inserted, 2 updated, 0 unchanged): how a single create knows
+    # whether its key was new, in its one round trip.
+    cparams["client_flag"] = int(cparams.get("client_flag", 0)) & ~_CLIENT_FOUND_ROWS
+
+
 def autocommit_engine(engine: Engine) -> Engine | None:
     """A second pool on `engine`'s MySQL/MariaDB database whose connections stay in autocommit,
     for statements that are a whole transaction by themselves (creating one task).
@@ -212,6 +223,7 @@ def autocommit_engine(engine: Engine) -> Engine | None:
         )
     except TypeError:
         return None
+    event.listen(auto, "do_connect", _changed_rows_only)
     event.listen(auto, "connect", _short_lock_waits)
     event.listen(auto, "connect", _read_committed)
     # Whoever closes the ledger disposes of its engine; this pool goes with it.

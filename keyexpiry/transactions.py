@@ -5,15 +5,17 @@ The row is written on the caller's connection; its Redis key is set (or, for a c
 only after the caller's transaction commits, and nothing happens on a rollback. SQLAlchemy's Core
 has no event after a commit (`ConnectionEvents.commit` fires before it, and its maintainers decline
 to add one), so the `commit` listener added here commits the DBAPI connection itself, then syncs the
-keys, then lets SQLAlchemy's own commit run, which finds nothing left to commit. It is the
-connection's transaction that is followed, not a Session's: a Session joined to an outer
-transaction "commits" without committing anything, and only the outer commit arms the keys.
+keys, then lets SQLAlchemy's own commit run, which finds nothing left to commit (other `commit`
+listeners on that connection that run after it find the transaction committed already).
+
+It is the connection's transaction that is followed, not a Session's: a Session joined to an
+outer transaction "commits" without committing anything, and only the outer commit arms the keys.
 
 After the commit the keys are synced with what the ledger then holds (a pending row is armed at
 its due time, a row no longer pending has its key deleted after a cancel), not with what was
 written: a SAVEPOINT rolled back in between undid some of it, and a listener may have claimed a
 row already. If the process dies between the commit and the sync, the rows are pending without
-keys: the listener's periodic check of overdue rows arms them (README, "Transactions").
+keys: the listener's periodic check of overdue rows arms them (README, "Inside your transaction").
 """
 
 from __future__ import annotations

@@ -47,14 +47,14 @@ def test_commit_writes_the_row_then_arms_the_key_and_the_task_runs(
 ) -> None:
     start_listener(settings)
     with app_engine.begin() as conn:
-        key = client.create("Probe.record", "paid", ttl_ms=300, tx=conn)
+        key = client.create("Probe.record", "paid", ttl_ms=1500, tx=conn)
         # Inside the transaction: nobody else sees the row, and no key exists yet.
         assert not _committed_in_another_session(client, key)
         assert client.redis.exists(key) == 0
         assert pending_for(conn)
     row = client.store.get(key)
     assert row is not None and row.status is TaskStatus.PENDING
-    assert 0 < _key_ttl_ms(client, key) <= 300
+    assert 0 < _key_ttl_ms(client, key) <= 1500  # armed at the commit
     done = wait_status(client, key, TaskStatus.DONE)
     assert done.attempts == 1 and sample_tasks.CALLS[key] == 1
 
@@ -240,4 +240,19 @@ def test_rows_committed_without_their_key_are_armed_by_the_listener(
     assert done.started_at_ms is not None
     late_ms = done.started_at_ms - done.due_at_ms
     # stuck_after_s (0.5 s) + lease_check_s (0.3 s) in these settings, plus scheduling slack.
-    assert late_ms < settings.stuck_after_s * 1000 + settings.lease_check_s * 1000 + 1500
+    assert late_ms < settings.stuck_after_s * 1000 + settings.lease_check_s * 1000 + 3000
+
+
+def test_a_session_joined_to_an_outer_transaction_arms_at_the_outer_commit(
+    client: Client, app_engine: Engine
+) -> None:
+    """The test-suite pattern: a Session bound to a Connection already in a transaction. Its
+    commit() commits nothing (the outer transaction does), so nothing is armed until then."""
+    with app_engine.connect() as conn:
+        outer = conn.begin()
+        with Session(bind=conn) as session:
+            key = client.create("Probe.record", "joined", ttl_s=60, tx=session)
+            session.commit()
+            assert client.redis.exists(key) == 0 and client.store.get(key) is None
+        outer.commit()
+    assert client.redis.exists(key) == 1
