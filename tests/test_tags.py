@@ -67,6 +67,20 @@ def test_a_reschedule_keeps_the_tag_unless_it_gives_another(client: Client) -> N
     assert client.list(tag="cart:1") == []
 
 
+def test_tags_go_with_every_reschedule_rule(client: Client) -> None:
+    """Rules other than replace decide under the row lock (keyexpiry.scheduling): the rows they
+    insert or reset carry the tag as a replace does."""
+    fresh = client.create(record, "r1", ttl_s=60, tag="cart:9", if_exists="later")
+    assert fresh.outcome == "created" and client.store.get(fresh).tag == "cart:9"  # type: ignore[union-attr]
+    moved = client.create(record, "r1", ttl_s=30, if_exists="earlier")
+    assert moved.outcome == "moved" and client.store.get(moved).tag == "cart:9"  # type: ignore[union-attr]
+    kept = client.create(record, "r1", ttl_s=90, tag="cart:10", if_exists="keep")
+    assert kept.outcome == "kept" and client.store.get(kept).tag == "cart:9"  # type: ignore[union-attr]
+    later = client.create(record, "r1", ttl_s=120, tag="cart:11", if_exists="later")
+    assert later.outcome == "moved" and client.store.get(later).tag == "cart:11"  # type: ignore[union-attr]
+    assert [r.key for r in client.list(tag="cart:11")] == [fresh]
+
+
 def test_tags_of_any_script_and_full_length_are_stored_as_given(client: Client) -> None:
     long_tag = "ü" * 127 + "🎈"
     client.create(record, "x", ttl_s=60, tag=long_tag)
