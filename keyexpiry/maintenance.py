@@ -132,13 +132,7 @@ class Maintenance:
                     self._idle.set()
                 continue
             except Exception as exc:
-                wait_s = backoff.next_s()
-                if isinstance(exc, _EXPECTED):
-                    logger.error("reconciliation failed ({}); retrying in {:.1f} s", exc, wait_s)
-                else:
-                    self._errors.add("reconcile")
-                    logger.exception("reconciliation failed; retrying in {:.1f} s", wait_s)
-                self._stop.wait(wait_s)
+                self._stop.wait(self._failed(exc, backoff))
                 self._wanted.set()
                 continue
             report = walk.report
@@ -149,6 +143,17 @@ class Maintenance:
                 self._walk = walk
             elif self._next_walk is None:
                 self._next_walk = walk
+
+    def _failed(self, exc: Exception, backoff: Backoff) -> float:
+        """Log a failed reconciliation (a traceback only for the unexpected) and return how
+        long to wait before trying again."""
+        wait_s = backoff.next_s()
+        if isinstance(exc, _EXPECTED):
+            logger.error("reconciliation failed ({}); retrying in {:.1f} s", exc, wait_s)
+        else:
+            self._errors.add("reconcile")
+            logger.exception("reconciliation failed; retrying in {:.1f} s", wait_s)
+        return wait_s
 
     def _walk_step(self, backoff: Backoff) -> None:
         """One page of the walk over rows due later, then a rest as long as the page took;
@@ -167,13 +172,8 @@ class Maintenance:
             self._walk = self._next_walk = None
             return
         except Exception as exc:
-            wait_s = backoff.next_s()
-            if isinstance(exc, _EXPECTED):
-                logger.error("reconciliation failed ({}); retrying in {:.1f} s", exc, wait_s)
-            else:
-                self._errors.add("reconcile")
-                logger.exception("reconciliation failed; retrying in {:.1f} s", wait_s)
-            self._wanted.wait(wait_s)  # the same page is read again after the pause
+            # After the pause the same page is read again.
+            self._wanted.wait(self._failed(exc, backoff))
             return
         backoff.reset()
         if more:

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Sequence
 
 from loguru import logger
-from sqlalchemy import Connection, and_, func, inspect, or_, select, update
+from sqlalchemy import ColumnElement, Connection, and_, func, inspect, or_, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from keyexpiry.claims import ClaimQueries
@@ -226,9 +226,17 @@ class Store(
     def _cancel_on(conn: Connection, keys: Sequence[str], now_ms: int, token: str) -> list[str]:
         if not keys:
             return []
+        return Store._cancel_where(conn, T.c.task_key.in_(list(keys)), now_ms, token)
+
+    @staticmethod
+    def _cancel_where(
+        conn: Connection, match: ColumnElement[bool], now_ms: int, token: str
+    ) -> list[str]:
+        """Cancel the pending rows `match` selects; the token they are marked with names the
+        rows this call cancelled (also after a retry of an ambiguous commit)."""
         conn.execute(
             update(T)
-            .where(T.c.task_key.in_(list(keys)), T.c.status == TaskStatus.PENDING.value)
+            .where(match, T.c.status == TaskStatus.PENDING.value)
             .values(
                 status=TaskStatus.CANCELLED.value,
                 updated_at_ms=now_ms,
@@ -236,9 +244,7 @@ class Store(
                 claimed_by=token,
             )
         )
-        got = conn.execute(
-            select(T.c.task_key).where(T.c.claimed_by == token, T.c.task_key.in_(list(keys)))
-        )
+        got = conn.execute(select(T.c.task_key).where(T.c.claimed_by == token, match))
         return [r[0] for r in got]
 
     def cancel_tag(self, tag: str, now_ms: int) -> list[str]:
@@ -247,20 +253,8 @@ class Store(
 
     @retried_once
     def _cancel_tag(self, tag: str, now_ms: int, token: str) -> list[str]:
-        # As in `cancel`: the token, fixed before any retry, names the rows this call cancelled.
         with self._tx() as conn:
-            conn.execute(
-                update(T)
-                .where(T.c.tag == tag, T.c.status == TaskStatus.PENDING.value)
-                .values(
-                    status=TaskStatus.CANCELLED.value,
-                    updated_at_ms=now_ms,
-                    finished_at_ms=now_ms,
-                    claimed_by=token,
-                )
-            )
-            got = conn.execute(select(T.c.task_key).where(T.c.claimed_by == token))
-            return [r[0] for r in got]
+            return self._cancel_where(conn, T.c.tag == tag, now_ms, token)
 
     def retry(self, keys: Sequence[str], *, due_at_ms: int, now_ms: int) -> list[str]:
         """Requeue those of `keys` that are dead or failed and waiting for their next attempt:
