@@ -568,12 +568,15 @@ def reconcile(
 @app.command("init-db")
 @_errors
 def init_db(ctx: typer.Context) -> None:
-    """Create the ledger's tables, or add what an older ledger lacks (idempotent)."""
+    """Create the ledger's tables, or bring an older ledger up to date (idempotent): add what it
+    lacks, and drop the indexes this version no longer uses. Run it once every listener runs
+    this version."""
     from keyexpiry.runtime import open_store
 
     store = open_store(_settings(ctx))
     try:
-        # Builds every missing index, however big the table (online on MySQL/MariaDB).
+        # Builds every missing index, however big the table (online on MySQL/MariaDB), and only
+        # then drops the retired ones (an older listener still running may read through them).
         store.create_schema(all_indexes=True)
     finally:
         store.engine.dispose()

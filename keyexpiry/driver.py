@@ -2,8 +2,8 @@
 
 Redis publishes `expired` only when it deletes a key: on a lookup, or in a background sweep that
 samples about 20 keys per tick. Among many keys with far-away TTLs a due key can wait minutes.
-The driver keeps a window of upcoming (key, due) pairs read from the ledger's (status, due_at_ms)
-index, sleeps until the next due time, and looks the due keys up (PTTL), which makes Redis expire
+The driver keeps a window of upcoming (key, due) pairs read from the ledger's (status, due_at_ms,
+…) index, sleeps until the next due time, and looks the due keys up (PTTL), which makes Redis expire
 them and publish `expired` on the spot. The event stays the one dispatch path.
 
 Lookups come in passes at most one tick apart: a key due alone is looked up at its due time, keys

@@ -118,7 +118,8 @@ class HeartbeatQueries(Ledger):
 
     @retried_once
     def runs_of(self, listener_id: str, limit: int = 1000) -> list[TaskRow]:
-        """Running rows claimed by `listener_id` (the claimed_by index, by prefix)."""
+        """Running rows claimed by `listener_id`: a filter on the running rows' range of the
+        (status, lease_until_ms) index, which holds only the fleet's runs in flight."""
         with self._tx() as conn:
             rows = conn.execute(
                 select(T)

@@ -18,8 +18,13 @@ class LookupQueries(Ledger):
     def rows_with_status(
         self, status: TaskStatus, *, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
-        """Rows of one status by due time (the (status, due_at_ms) index), or newest first."""
-        order = (T.c.due_at_ms.desc(), T.c.id.desc()) if newest_first else (T.c.due_at_ms, T.c.id)
+        """Rows of one status by due time (ties by key: the order of the (status, due_at_ms,
+        task_key) index), or newest first."""
+        order = (
+            (T.c.due_at_ms.desc(), T.c.task_key.desc())
+            if newest_first
+            else (T.c.due_at_ms, T.c.task_key)
+        )
         with self._tx() as conn:
             rows = conn.execute(
                 select(T).where(T.c.status == status.value).order_by(*order).limit(limit)
@@ -33,7 +38,7 @@ class LookupQueries(Ledger):
             rows = conn.execute(
                 select(T)
                 .where(T.c.status == TaskStatus.PENDING.value, T.c.due_at_ms <= now_ms)
-                .order_by(T.c.due_at_ms, T.c.id)
+                .order_by(T.c.due_at_ms, T.c.task_key)
                 .limit(limit)
             ).all()
         return [_row(r) for r in rows]
@@ -45,7 +50,7 @@ class LookupQueries(Ledger):
             rows = conn.execute(
                 select(T)
                 .where(T.c.status == TaskStatus.PENDING.value, T.c.attempts > 0)
-                .order_by(T.c.due_at_ms, T.c.id)
+                .order_by(T.c.due_at_ms, T.c.task_key)
                 .limit(limit)
             ).all()
         return [_row(r) for r in rows]

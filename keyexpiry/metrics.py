@@ -196,7 +196,7 @@ class LedgerFigures:
 
 
 class LedgerCollector(Collector):
-    """Task counts from the ledger's (status, due_at_ms) index, at most every `min_interval_s`.
+    """Task counts from the ledger's (status, due_at_ms, …) index, at most every `min_interval_s`.
 
     Only pending, running and dead are counted: done and cancelled rows are the bulk of a large
     ledger and counting them would walk millions of index entries per scrape.

@@ -6,6 +6,9 @@ by an older keyexpiry gets each later column here, by `ALTER TABLE … ADD COLUM
 column's default for the rows already there: nothing is rewritten or dropped. Running it again
 finds nothing to add. A new column must therefore be nullable or carry a server default.
 Indexes are added the same way, by name; on a big table only `keyexpiry init-db` builds them.
+An index a later version no longer needs is dropped only by `keyexpiry init-db`, and only once the
+index that replaced it exists: until every listener runs the new version, an old one may still
+read through it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from sqlalchemy import Column, Connection, Index, Integer, MetaData, Table, inspect, text
 from sqlalchemy.schema import CreateColumn
 
-from keyexpiry.table import metadata
+from keyexpiry.table import RETIRED_INDEXES, T, metadata
 
 
 def missing_columns(conn: Connection, table: Table) -> list[Column[object]]:
@@ -90,3 +93,22 @@ def add_missing_indexes(
             index.create(conn)
             built.append(str(index.name))
     return built, deferred
+
+
+def drop_retired_indexes(conn: Connection, retired: dict[str, str] | None = None) -> list[str]:
+    """Drop each index of `time_limit_task` named in `retired` (default `RETIRED_INDEXES`) whose
+    replacement the table has; return the names dropped. Dropping a secondary index is quick on
+    InnoDB (in place, no copy) and SQLite; rows are untouched."""
+    retired = RETIRED_INDEXES if retired is None else retired
+    insp = inspect(conn)
+    if not insp.has_table(T.name):
+        return []
+    present = {i["name"] for i in insp.get_indexes(T.name)}
+    dropped: list[str] = []
+    for name, replacement in sorted(retired.items()):
+        if name in present and replacement in present:
+            quote = conn.dialect.identifier_preparer.quote
+            on_table = "" if conn.dialect.name == "sqlite" else f" ON {quote(T.name)}"
+            conn.execute(text(f"DROP INDEX {quote(name)}{on_table}"))
+            dropped.append(name)
+    return dropped

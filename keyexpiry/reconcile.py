@@ -119,7 +119,7 @@ class Reconciler:
         With `mine`, only keys of this listener's share (a live peer's overdue rows are most
         likely in its backlog, and its own check repairs them).
 
-        One query on the (status, due_at_ms) index, which normally returns nothing.
+        One query on the (status, due_at_ms, …) index, which normally returns nothing.
         """
         now_ms = self.clock.now_ms()
         rows = self.store.overdue(now_ms=now_ms - grace_ms, limit=limit)

@@ -26,25 +26,7 @@ KEYS_START = (-(2**62), "")
 
 
 class ScanQueries(Ledger):
-    """Scans on the (status, due_at_ms) and (status, lease_until_ms) indexes."""
-
-    @retried_once
-    def pending_page(self, *, after: tuple[int, int] = (-(2**62), 0), limit: int) -> list[TaskRow]:
-        """Pending rows after `after` = (due_at_ms, id) in (due_at_ms, id) order: a keyset walk
-        of the (status, due_at_ms) index (InnoDB and SQLite append the primary key to it), so
-        a page never sorts or skips over rows of another status."""
-        due, row_id = after
-        with self._tx() as conn:
-            rows = conn.execute(
-                select(T)
-                .where(
-                    T.c.status == TaskStatus.PENDING.value,
-                    or_(T.c.due_at_ms > due, and_(T.c.due_at_ms == due, T.c.id > row_id)),
-                )
-                .order_by(T.c.due_at_ms, T.c.id)
-                .limit(limit)
-            ).all()
-        return [_row(r) for r in rows]
+    """Scans on the (status, due_at_ms, task_key, attempts) and (status, lease_until_ms) indexes."""
 
     @retried_once
     def pending_keys_page(

@@ -22,7 +22,12 @@ from keyexpiry.errors import StoreError
 from keyexpiry.heartbeats import HeartbeatQueries
 from keyexpiry.ledger import retried_once
 from keyexpiry.lookups import LookupQueries
-from keyexpiry.migrations import BUILD_ON_START_MAX_ROWS, add_missing_columns, add_missing_indexes
+from keyexpiry.migrations import (
+    BUILD_ON_START_MAX_ROWS,
+    add_missing_columns,
+    add_missing_indexes,
+    drop_retired_indexes,
+)
 from keyexpiry.retention import RetentionQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
@@ -70,6 +75,7 @@ class Store(
 
         A missing index of a big table is built only with `all_indexes` (`keyexpiry init-db`):
         a client or listener start logs it and goes on. Returns the indexes so left unbuilt.
+        `all_indexes` also drops the indexes a later version retired (`RETIRED_INDEXES`).
         """
         for attempt in range(5):
             try:
@@ -83,6 +89,10 @@ class Store(
                     built, deferred = add_missing_indexes(conn, max_rows=max_rows)
                 for name in built:
                     logger.info("ledger upgraded: built index {}", name)
+                if all_indexes:
+                    with self._schema_lock, self._tx() as conn:
+                        for name in drop_retired_indexes(conn):
+                            logger.info("ledger upgraded: dropped index {}, no longer used", name)
                 if deferred:
                     logger.warning(
                         "ledger lacks index(es) {} on a big table; queries that need them are "
@@ -344,9 +354,10 @@ class Store(
     ) -> list[TaskRow]:
         """Rows ordered by due time, optionally of one status, optionally of one tag.
 
-        Without a status: the first `limit` of each status, each read on the (status, due_at_ms)
-        index, merged. One ORDER BY over every row would sort the whole table (10 M rows).
-        With a tag: its rows in order on the (tag, due_at_ms) index."""
+        Without a status: the first `limit` of each status, each read in (due_at_ms, task_key)
+        order off the (status, due_at_ms, task_key) index, merged. One ORDER BY over every row
+        would sort the whole table (10 M rows). With a tag: its rows in order on the (tag,
+        due_at_ms) index."""
         if tag is not None:
             q = select(T).where(T.c.tag == tag)
             if status is not None:
@@ -362,13 +373,13 @@ class Store(
                     for r in conn.execute(
                         select(T)
                         .where(T.c.status == s.value)
-                        .order_by(T.c.due_at_ms, T.c.id)
+                        .order_by(T.c.due_at_ms, T.c.task_key)
                         .limit(limit)
                     )
                 ]
                 for s in statuses
             ]
-        merged = heapq.merge(*runs, key=lambda row: (row.due_at_ms, row.id))
+        merged = heapq.merge(*runs, key=lambda row: (row.due_at_ms, row.key))
         return list(itertools.islice(merged, limit))
 
     @retried_once

@@ -72,11 +72,12 @@ time_limit_task = Table(
     Column("tag", _TAG_TYPE, nullable=True),
     # The handler's return value as JSON (NULL: it returned None, or has not succeeded).
     Column("result", _TEXT_TYPE, nullable=True),
-    Index("ix_time_limit_task_status_due", "status", "due_at_ms"),
+    # Running rows by lease (expired leases); a dead listener's runs are a filter on this range,
+    # which holds only the fleet's runs in flight.
     Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
-    Index("ix_time_limit_task_claimed_by", "claimed_by"),
     # Added after the table: keyexpiry.migrations builds them in an existing one.
-    # Reconciliation walks pending keys in due order off this index alone (no row lookups).
+    # Every read of one status in due order (the listener's, reconciliation's, the lists'), and
+    # reconciliation's walk over pending keys off this index alone (no row lookups).
     Index("ix_time_limit_task_status_due_key", "status", "due_at_ms", "task_key", "attempts"),
     # The dashboard's retrying list: pending rows that failed, without walking every pending row.
     Index("ix_time_limit_task_status_attempts", "status", "attempts", "due_at_ms"),
@@ -90,6 +91,15 @@ time_limit_task = Table(
     # sql/time_limit_task.sql must say the same; tests/test_ddl.py checks that it does.
 )
 T = time_limit_task
+
+RETIRED_INDEXES: dict[str, str] = {
+    # Its prefix: the covering index serves every query it did, ordered by key instead of id.
+    "ix_time_limit_task_status_due": "ix_time_limit_task_status_due_key",
+    # Only running rows are looked up by claim, and they are the lease index's range.
+    "ix_time_limit_task_claimed_by": "ix_time_limit_task_status_lease",
+}
+"""Indexes of older keyexpiry versions that no query needs any more, each with the index that
+replaced it: `keyexpiry init-db` drops one once its replacement exists (each costs every write)."""
 
 LISTENER_TABLE = "keyexpiry_listener"
 keyexpiry_listener = Table(

@@ -12,6 +12,12 @@
 --     ADD INDEX ix_time_limit_task_status_attempts (status, attempts, due_at_ms),
 --     ADD INDEX ix_time_limit_task_status_finished (status, finished_at_ms, class_name);
 --
+-- Dropping the two indexes no query uses any more, once every listener runs this version and the
+-- indexes above exist (keyexpiry init-db does this):
+--   ALTER TABLE time_limit_task
+--     DROP INDEX ix_time_limit_task_status_due,
+--     DROP INDEX ix_time_limit_task_claimed_by;
+--
 -- Upgrading a table created before tag and result (keyexpiry init-db does this):
 --   ALTER TABLE time_limit_task
 --       ADD COLUMN tag VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
@@ -38,11 +44,10 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     result           MEDIUMTEXT   NULL,                -- the handler's return value, JSON
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key),
-    -- the listener claims by key; reconciliation scans pending by due time and running by lease
-    INDEX ix_time_limit_task_status_due (status, due_at_ms),
+    -- the listener claims by key; running rows by lease (and a dead listener's among them)
     INDEX ix_time_limit_task_status_lease (status, lease_until_ms),
-    INDEX ix_time_limit_task_claimed_by (claimed_by),
-    -- reconciliation's walk over pending keys reads this index alone (no row lookups)
+    -- every read of one status in due order; reconciliation's walk over pending keys reads
+    -- this index alone (no row lookups)
     INDEX ix_time_limit_task_status_due_key (status, due_at_ms, task_key, attempts),
     -- the dashboard's retrying list (pending rows that failed at least once)
     INDEX ix_time_limit_task_status_attempts (status, attempts, due_at_ms),

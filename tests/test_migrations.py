@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import BigInteger, Column, Engine, MetaData, Table, inspect, text
 
-from keyexpiry.migrations import add_missing_columns, add_missing_indexes
+from keyexpiry.migrations import add_missing_columns, add_missing_indexes, drop_retired_indexes
 from keyexpiry.store import NewTask, Store, make_engine
 
 # keyexpiry_listener as the first release with heartbeats created it (before partitioning).
@@ -102,13 +102,55 @@ def test_on_a_big_table_only_init_db_builds_a_missing_index(db_url: str) -> None
         store.upsert_pending(
             [NewTask(f"A@m@{i}", "A", "m", (str(i),), 5_000) for i in range(3)], now_ms=1_000
         )
-        _drop_index(engine, "ix_time_limit_task_claimed_by")
+        _drop_index(engine, "ix_time_limit_task_status_finished")
         with engine.begin() as conn:
             # Three rows are "big" when the limit is two: deferred, not built.
-            assert add_missing_indexes(conn, max_rows=2) == ([], ["ix_time_limit_task_claimed_by"])
-        assert "ix_time_limit_task_claimed_by" not in _index_names(engine)
+            assert add_missing_indexes(conn, max_rows=2) == (
+                [], ["ix_time_limit_task_status_finished"],
+            )  # fmt: skip
+        assert "ix_time_limit_task_status_finished" not in _index_names(engine)
         assert store.create_schema(all_indexes=True) == []
+        assert "ix_time_limit_task_status_finished" in _index_names(engine)
+    finally:
+        engine.dispose()
+
+
+def _create_index(engine: Engine, name: str, columns: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE INDEX {name} ON time_limit_task ({columns})"))
+
+
+def test_init_db_drops_retired_indexes_once_their_replacements_exist(db_url: str) -> None:
+    engine = make_engine(db_url)
+    try:
+        store = Store(engine)
+        store.create_schema()
+        store.upsert_pending([NewTask("A@m@1", "A", "m", ("1",), 5_000)], now_ms=1_000)
+        # A ledger of an older keyexpiry: the two indexes it had that no query needs now.
+        _create_index(engine, "ix_time_limit_task_status_due", "status, due_at_ms")
+        _create_index(engine, "ix_time_limit_task_claimed_by", "claimed_by")
+        store.create_schema()  # a start: an older listener may still read through them
+        assert {"ix_time_limit_task_status_due", "ix_time_limit_task_claimed_by"} <= _index_names(
+            engine
+        )
+        # Without its replacement a retired index stays.
+        _drop_index(engine, "ix_time_limit_task_status_lease")
+        with engine.begin() as conn:
+            assert drop_retired_indexes(conn) == ["ix_time_limit_task_status_due"]
         assert "ix_time_limit_task_claimed_by" in _index_names(engine)
+        # init-db builds the replacement, then drops what it replaced; a second run finds nothing.
+        assert store.create_schema(all_indexes=True) == []
+        names = _index_names(engine)
+        assert "ix_time_limit_task_status_lease" in names
+        assert not {"ix_time_limit_task_status_due", "ix_time_limit_task_claimed_by"} & names
+        with engine.begin() as conn:
+            assert drop_retired_indexes(conn) == []
+        row = store.get("A@m@1")
+        assert row is not None and (row.status, row.due_at_ms, row.args) == (
+            "pending",
+            5_000,
+            ("1",),
+        )
     finally:
         engine.dispose()
 

@@ -123,7 +123,6 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
         "overdue": lambda: store.overdue(now_ms=NOW + 100, limit=1000),
         "expired_leases": lambda: store.expired_leases(NOW + 10_000),
         "count_pending": store.count_pending,
-        "pending_page": lambda: store.pending_page(after=(NOW + 100, 0), limit=1000),
         "pending_keys_page": lambda: store.pending_keys_page(after=(NOW + 100, ""), limit=500),
         "pending_keys_page due soon": lambda: store.pending_keys_page(upto_ms=NOW + 200, limit=500),
         "runs_of a listener that ran 2 M tasks": lambda: store.runs_of("gone:1:abc"),
@@ -152,7 +151,7 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
     # would sort every pending row for each page of 1,000. (Retrying sorts the pending rows
     # that failed, a range of their own index: a few, not every pending row.)
     unsorted = {
-        "upcoming", "overdue", "pending_page", "pending_keys_page", "pending_keys_page due soon",
+        "upcoming", "overdue", "pending_keys_page", "pending_keys_page due soon",
         "list --status", "overdue_rows", "running", "dead newest", "retrying", "prune batch",
         "list (every status)", "list --tag",
         "list --tag --status",
@@ -164,7 +163,7 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
     live_on_purpose = {"count_pending", "active_counts"}
     # Keyset pages over pending rows: EXPLAIN's estimate is their whole range, but read in index
     # order (no filesort, checked below) the LIMIT ends the read after one page.
-    paged = {"pending_page", "pending_keys_page", "list --status"}
+    paged = {"pending_keys_page", "list --status"}
     # Read off one index alone, no row lookups: the walk over every pending key, and the reads
     # whose range holds many finished rows (every dead task; a day's finished rows).
     index_only = {"pending_keys_page", "pending_keys_page due soon", "count_dead", "prune batch"}

@@ -11,6 +11,7 @@ import pytest
 
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import StoreError
+from keyexpiry.scans import KEYS_START
 from keyexpiry.store import NewTask, Outcome, Store, TaskStatus, make_engine
 
 NOW = 1_700_000_000_000
@@ -124,11 +125,11 @@ def test_pending_pages_walk_every_row_once(store: Store) -> None:
     store.upsert_pending(tasks, NOW)
     store.claim(["A@m@3"], now_ms=NOW + 100, lease_until_ms=NOW + 200, token="t")  # not pending
     seen: list[str] = []
-    after = (-(2**62), 0)
-    while page := store.pending_page(after=after, limit=4):
+    after = KEYS_START
+    while page := store.pending_keys_page(after=after, limit=4):
         seen.extend(r.key for r in page)
-        assert [r.due_at_ms for r in page] == sorted(r.due_at_ms for r in page)
-        after = (page[-1].due_at_ms, page[-1].id)
+        assert [(r.due_at_ms, r.key) for r in page] == sorted((r.due_at_ms, r.key) for r in page)
+        after = (page[-1].due_at_ms, page[-1].key)
     assert len(seen) == 24 and sorted(seen) == sorted(f"A@m@{i}" for i in range(25) if i != 3)
     assert len(store.list_tasks(TaskStatus.PENDING, limit=5)) == 5
 

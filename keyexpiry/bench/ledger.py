@@ -45,7 +45,6 @@ QUERIES = (
     "overdue",
     "expired_leases",
     "count_pending",
-    "pending_page",
     "pending_keys_page",
     "pending_keys_page due soon",
     "runs_of a listener that ran 2 M tasks",
@@ -250,7 +249,6 @@ def query_times(client: Client, shape: LedgerShape) -> dict[str, dict[str, float
         "overdue": lambda: store.overdue(now_ms=now, limit=1000),
         "expired_leases": lambda: store.expired_leases(now),
         "count_pending": store.count_pending,
-        "pending_page": lambda: store.pending_page(after=(middle, 0), limit=1000),
         "pending_keys_page": lambda: store.pending_keys_page(after=(middle, ""), limit=500),
         "pending_keys_page due soon": lambda: store.pending_keys_page(
             upto_ms=now + 300_000, limit=500
