@@ -47,8 +47,7 @@ def arm_keys(
     if len(items) == 1 and items[0][1] > horizon:
         # One key due later than the driver looks ahead (a single create, typically): nothing to
         # announce, so a plain SET, without a pipeline's own cost.
-        key, due_ms = items[0]
-        client.set(key, b"", pxat=due_ms)
+        _set_one(client, *items[0])
         return
     pipe = client.pipeline(transaction=False)
     soon: list[str] = []
@@ -84,6 +83,31 @@ def arm_keys(
         else:
             pipe.publish(channel, message)
     pipe.execute()
+
+
+def _set_one(client: redis.Redis | RedisCluster, key: str, due_ms: int) -> None:
+    """`SET key "" PXAT due_ms`, sent straight on a pooled connection: redis-py's command path
+    (argument decorators, observability, the retry wrapper) costs more CPU than the round trip
+    itself, and a single create is bound by CPU. Anything unexpected (an error reply, a dropped
+    connection, a cluster or single-connection client) takes the ordinary path, whose retries
+    and errors are redis-py's."""
+    if not isinstance(client, RedisCluster) and client.connection is None:
+        pool = client.connection_pool
+        try:
+            conn = pool.get_connection()
+        except redis.RedisError:
+            conn = None
+        if conn is not None:
+            try:
+                conn.send_command("SET", key, b"", "PXAT", due_ms)  # type: ignore[no-untyped-call]
+                conn.read_response()
+                return
+            except redis.RedisError:
+                # An error reply or a cut connection: nothing of it may stay on a pooled one.
+                conn.disconnect()  # type: ignore[no-untyped-call]
+            finally:
+                pool.release(conn)
+    client.set(key, b"", pxat=due_ms)
 
 
 def _set_per_node(client: RedisCluster, items: Sequence[tuple[str, int]]) -> None:

@@ -146,8 +146,13 @@ class Client:
         # pays nothing per task for the rules.
         rules: dict[str, IfExists] = {}
         replace = IfExists.REPLACE
+        # A bulk create names a few task methods many times over: each is resolved once.
+        specs: dict[object, TaskSpec] = {}
         for req in requests:
-            spec = self.spec(req.target)
+            try:
+                spec = specs.get(req.target) or specs.setdefault(req.target, self.spec(req.target))
+            except TypeError:  # a target that cannot be a dict key (an unhashable callable)
+                spec = self.spec(req.target)
             encoded = spec.encode_args(req.args)
             key = format_key(spec.class_name, spec.method, encoded, prefix=self.settings.key_prefix)
             schedule = limits.delays(req.retry_schedule_s, "retry_schedule_s", ArgumentError)
@@ -375,6 +380,14 @@ def due_at_ms(
     Due times reach at most `limits.MAX_HORIZON_S` (100 years) ahead; an `at` in the past is due
     now, back to 1970-01-01 UTC.
     """
+    if (
+        ttl_ms is None
+        and at is None
+        and type(ttl_s) in (int, float)
+        and 0 <= ttl_s <= limits.MAX_HORIZON_S  # type: ignore[operator]
+    ):
+        # The common case, checked as `limits.number` would check it (NaN fails the range).
+        return now_ms + round(ttl_s * 1000)  # type: ignore[operator]
     given = [x for x in (ttl_s, ttl_ms, at) if x is not None]
     if len(given) != 1:
         raise ArgumentError("give exactly one of ttl_s, ttl_ms or at")

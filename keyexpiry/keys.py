@@ -7,6 +7,7 @@ lets the ledger index it with a binary (case-sensitive) ASCII collation.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from urllib.parse import quote, unquote_to_bytes
@@ -24,6 +25,9 @@ _SAFE = "!$&'()*+,-./:;<=>?[]^_`|~#"
 _LEGACY_SAFE = _SAFE + "{}"
 """What keys were escaped with before braces were: such keys (tasks created then) still parse."""
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
+# What `quote(arg, safe=_SAFE)` leaves as it is (its own always-safe letters, digits and `_.-~`,
+# and _SAFE): an argument of these alone is its own escape, without quote's per-byte work.
+_PLAIN = re.compile(r"[A-Za-z0-9_.\-~!$&'()*+,/:;<=>?\[\]^`|#]*\Z")
 _ESCAPED = re.compile(r"(?:[A-Za-z0-9!$&'()*+,\-./:;<=>?\[\]^_`{|}~#]|%[0-9A-F]{2})*\Z")
 
 INTERNAL_MARK = "#keyexpiry#"
@@ -78,6 +82,8 @@ def check_name(name: str, what: str) -> str:
 
 def escape_arg(arg: str, *, safe: str = _SAFE) -> str:
     """Percent-escape one argument for use inside a key."""
+    if safe is _SAFE and _PLAIN.match(arg):
+        return arg
     try:
         return quote(arg, safe=safe, encoding="utf-8", errors="strict")
     except UnicodeEncodeError:
@@ -101,17 +107,22 @@ def format_key(
     class_name: str, method: str, args: tuple[str, ...] | list[str], *, prefix: str = ""
 ) -> str:
     """Build `{prefix}Class@method@arg…`, refusing bad names and keys over MAX_KEY_BYTES."""
-    check_name(class_name, "class name")
-    check_name(method, "method name")
-    parts = [class_name, method, *(escape_arg(a) for a in args)]
-    key = prefix + SEPARATOR.join(parts)
-    size = len(key.encode("utf-8"))
+    key = SEPARATOR.join([_key_head(class_name, method, prefix), *map(escape_arg, args)])
+    size = len(key) if key.isascii() else len(key.encode("utf-8"))
     if size > MAX_KEY_BYTES:
         raise KeyFormatError(
             f"task key would be {size} bytes; the limit is {MAX_KEY_BYTES} (shorten the arguments, "
             "or keep large data in your own table and pass its id)"
         )
     return key
+
+
+@functools.lru_cache(maxsize=1024)
+def _key_head(class_name: str, method: str, prefix: str) -> str:
+    # A bulk create names a few task methods many times over: their names are checked once.
+    check_name(class_name, "class name")
+    check_name(method, "method name")
+    return f"{prefix}{class_name}{SEPARATOR}{method}"
 
 
 def parse_key(key: str, *, prefix: str = "") -> TaskKey:

@@ -241,6 +241,8 @@ class TaskSpec:
         return f"{self.class_name}.{self.method}"
 
     def _check_count(self, count: int) -> None:
+        if count == len(self.params):
+            return  # every parameter given: the common case, with nothing to count
         required = sum(1 for p in self.params if p.required)
         if not required <= count <= len(self.params):
             want = (

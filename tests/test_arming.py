@@ -49,6 +49,34 @@ def test_one_key_due_beyond_the_wake_horizon_is_set_and_announces_nothing(redis_
     r.close()
 
 
+def test_a_refused_single_set_raises_redis_s_error_and_leaves_the_pool_clean(
+    redis_url: str,
+) -> None:
+    # The single key goes straight on a pooled connection; an error reply must surface as
+    # redis-py's own error (through its ordinary path) and leave no reply behind on that
+    # connection for the next command to read.
+    r = redis.Redis.from_url(redis_url)
+    admin = redis.Redis.from_url(redis_url)
+    now_ms = int(r.time()[0]) * 1000
+    settings = Settings(wake_ahead_s=120)
+    arm_keys(r, [("Probe@record@before", now_ms + 3_600_000)], now_ms, settings)
+    old = admin.config_get("maxmemory*")
+    try:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            arm_keys(r, [("Probe@record@refused", now_ms + 3_600_000)], now_ms, settings)
+    finally:
+        admin.config_set("maxmemory", old["maxmemory"])
+        admin.config_set("maxmemory-policy", old["maxmemory-policy"])
+    arm_keys(r, [("Probe@record@after", now_ms + 3_600_001)], now_ms, settings)
+    assert r.execute_command("PEXPIRETIME", "Probe@record@after") == now_ms + 3_600_001
+    assert r.exists("Probe@record@refused") == 0
+    assert r.get("Probe@record@after") == b""
+    r.close()
+    admin.close()
+
+
 def test_keys_already_due_expire_at_once_as_expired_and_the_rest_wake_the_driver(
     redis_url: str,
 ) -> None:

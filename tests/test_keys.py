@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import string
+from urllib.parse import quote
+
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from keyexpiry import Client, Settings
+from keyexpiry import Client, Settings, keys
 from keyexpiry.errors import KeyFormatError
 from keyexpiry.keys import (
     MAX_KEY_BYTES,
@@ -111,3 +114,37 @@ def test_cancel_finds_a_task_created_before_braces_were_escaped(
     )
     assert client.cancel("Probe.record", "{legacy}") is True
     assert client.store.get(old_key).status is TaskStatus.CANCELLED  # type: ignore[union-attr]
+
+
+# Arguments made mostly of the characters a key leaves as they are, so that both the shortcut
+# (an argument that is its own escape) and quote's own path are taken, and each character that
+# must be escaped alone among plain ones.
+_KEPT = string.ascii_letters + string.digits + "_.-~" + keys._SAFE
+_PLAIN_OR_NOT = st.one_of(
+    st.text(alphabet=st.sampled_from(list(_KEPT + "@%{} é\n\x00")), max_size=12),
+    st.text(max_size=40),
+    st.tuples(st.text(alphabet=_KEPT, max_size=5), st.characters(), st.text(alphabet=_KEPT)).map(
+        "".join
+    ),
+)
+
+
+@example("@")
+@example("a@b")
+@example("100%")
+@example("{tag}")
+@example("x y")
+@example("café")
+@example("")
+@given(_PLAIN_OR_NOT)
+def test_an_argument_is_escaped_exactly_as_quote_escapes_it(arg: str) -> None:
+    try:
+        expected = quote(arg, safe=keys._SAFE, encoding="utf-8", errors="strict")
+    except UnicodeEncodeError:
+        expected = None
+    if expected is None:
+        with pytest.raises(KeyFormatError):
+            keys.escape_arg(arg)
+    else:
+        assert keys.escape_arg(arg) == expected
+        assert keys.unescape_arg(expected) == arg
