@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import functools
+import gc
 import importlib
 import json
 import os
@@ -192,6 +193,12 @@ def listen(
     listener = Listener(settings)
     # Every line of this process names its listener (JSON logs carry it as `extra.listener`).
     logger.configure(extra={"listener": listener.owner})
+    # Everything loaded so far (modules, the registry, SQLAlchemy's tables) lives as long as the
+    # process: frozen, the collector's full passes skip it. A full pass over it holds every thread
+    # for 36-46 ms (measured in a bench listener), and every task due meanwhile waits that long;
+    # frozen, the full passes seen took 1-2 ms. Only here: this process is the listener's own.
+    gc.collect()
+    gc.freeze()
     listener.run()
 
 
