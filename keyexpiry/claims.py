@@ -81,9 +81,13 @@ def _claim_update(size: int) -> ClauseElement:
     )
 
 
-def _claimed_rows() -> ClauseElement:
+def _claimed_rows(size: int) -> ClauseElement:
+    # Found by key (the unique index), then checked for the claim's token: the running rows of
+    # the whole fleet are never walked.
     return select(*[c for c in T.c if c.name not in CLAIM_SETS | CLAIM_SKIPS]).where(
-        T.c.claimed_by == bindparam("token"), T.c.status == TaskStatus.RUNNING.value
+        T.c.task_key.in_([bindparam(name) for name in _KEY[:size]]),
+        T.c.claimed_by == bindparam("token"),
+        T.c.status == TaskStatus.RUNNING.value,
     )
 
 
@@ -169,6 +173,20 @@ def _distinct_ids(outcomes: list[Outcome]) -> Iterator[list[Outcome]]:
 class ClaimQueries(Ledger):
     """Claims and outcomes: the hot path, one set-based statement per batch."""
 
+    def prepare_claims(self, max_batch: int) -> int:
+        """Compile now the claim statements of every list size a batch of up to `max_batch`
+        keys takes, and the outcome statement of every size (outcomes gathered for 50 ms are
+        not bound by the claim batch), instead of on first use in a busy second (a big size
+        took milliseconds, with every due task waiting); returns how many were compiled."""
+        every = sorted({_size(n) for n in range(1, _MAX_LIST + 1)})
+        claims = [size for size in every if size <= _size(min(max_batch, _MAX_LIST))]
+        for size in claims:
+            self._prepare(_claim_update, size)
+            self._prepare(_claimed_rows, size)
+        for size in every:
+            self._prepare(_record_done, size, False)
+        return 2 * len(claims) + len(every)
+
     @retried_once
     def claim(
         self, keys: Sequence[str], *, now_ms: int, lease_until_ms: int, token: str
@@ -182,8 +200,9 @@ class ClaimQueries(Ledger):
         """
         if not keys:
             return []
+        parts = list(_lists(keys))
         with self._tx() as conn:
-            for part in _lists(keys):
+            for part in parts:
                 self._prepare(_claim_update, len(part)).run(
                     conn,
                     {
@@ -193,7 +212,15 @@ class ClaimQueries(Ledger):
                         "lease": lease_until_ms,
                     },
                 )
-            rows = self._prepare(_claimed_rows).run(conn, {"token": token}).all()
+            # By id: a key given twice, in two lists, is still one run.
+            found = {
+                row.id: row
+                for part in parts
+                for row in self._prepare(_claimed_rows, len(part))
+                .run(conn, {**dict(zip(_KEY, part, strict=False)), "token": token})
+                .all()
+            }
+            rows = list(found.values())
         return [
             claimed_row_from_db(r, token=token, now_ms=now_ms, lease_until_ms=lease_until_ms)
             for r in rows

@@ -182,6 +182,10 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
                     row = dict(zip(columns, plan, strict=True))
                     rows = int(str(row["rows"] or 0).split()[0])
                     extra = str(row["Extra"]).split("; ")
+                    if "noticed after reading const tables" in str(row["Extra"]):
+                        # Rows read by a unique key first (a claim's keys) and found not to
+                        # match: MariaDB names no index for that plan.
+                        continue
                     if row["type"] == "ALL" or row["key"] is None:
                         problems.append(f"{name}: {row}")
                     elif (
