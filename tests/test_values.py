@@ -11,12 +11,13 @@ in test_hostile.py).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 from decimal import Decimal
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from keyexpiry import exposed
@@ -25,6 +26,7 @@ from keyexpiry.errors import ArgumentError, ConfigError, KeyExpiryError
 from keyexpiry.keys import format_key
 from keyexpiry.limits import MAX_DELAY_S, MAX_HORIZON_S
 from keyexpiry.registry import Registry, TaskSpec
+from keyexpiry.rows import args_json
 from keyexpiry.settings import Settings
 
 NOW_MS = 1_700_000_000_000
@@ -237,3 +239,15 @@ def test_an_empty_retry_schedule_means_no_retries_everywhere() -> None:
     assert retries.max_attempts(None, ExposeOptions(retry_schedule_s=()), s) == 1
     assert retries.max_attempts(None, ExposeOptions(), s.replace(retry_schedule_s=())) == 1
     assert retries.max_attempts(None, ExposeOptions(), s) == 1 + len(s.retry_schedule_s)
+
+
+@example(())
+@example(("218",))
+@example(('say "hi"', "back\\slash", "tab\t", "é", "\u2028"))
+@given(
+    st.lists(st.text(max_size=12) | st.sampled_from(["218", "a b", "x\ny", '"', "é"])).map(tuple)
+)
+def test_args_are_written_as_the_json_encoder_writes_them(args: tuple[str, ...]) -> None:
+    # The `args` column: a shortcut for plain strings must write what json writes.
+    assert args_json(args) == json.dumps(list(args), ensure_ascii=False)
+    assert json.loads(args_json(args)) == list(args)
