@@ -122,12 +122,14 @@ class Fleet:
         if self._submit is None:
             return
         prefix = self.rt.settings.key_prefix.encode()
-        keys = []
-        for key, _due in self.rt.store.overdue(now_ms=now_ms, limit=_CATCH_UP_ROWS):
+
+        def gained_key(key: str) -> bool:
             raw = key.encode()
             buckets = gained.get(task_class_of(raw, prefix) or "")
-            if buckets is not None and bucket_of(raw) in buckets:
-                keys.append(key)
+            return buckets is not None and bucket_of(raw) in buckets
+
+        # Paged past the overdue rows of other buckets, which may come first by the thousand.
+        keys = [k for k, _ in self._reconciler.overdue_keys(now_ms, _CATCH_UP_ROWS, gained_key)]
         if keys:
             self.caught_up += len(keys)
             logger.info("{} overdue task(s) of buckets taken over: claiming them", len(keys))

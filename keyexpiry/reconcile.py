@@ -26,6 +26,11 @@ the caller, so a listener (re)starting on a large ledger never holds back work f
 TTL_TOLERANCE_MS = 1000
 
 
+OWN_OVERDUE_MAX_PAGES = 20
+"""How many pages of overdue keys one check reads at most to find this listener's own among its
+peers' (20 pages of 1,000 index entries: a few ms)."""
+
+
 @dataclass
 class ReconcileReport:
     """What one reconciliation found and did."""
@@ -117,14 +122,16 @@ class Reconciler:
         evicted or flushed, or its event was lost. Re-arm them so they expire now (the event
         stays the dispatch path); while events do not arrive at all, submit them directly.
         With `mine`, only keys of this listener's share (a live peer's overdue rows are most
-        likely in its backlog, and its own check repairs them).
+        likely in its backlog, and its own check repairs them), up to `limit` of them however
+        many of the peers' come first.
 
         One query on the (status, due_at_ms, …) index, which normally returns nothing.
         """
         now_ms = self.clock.now_ms()
-        rows = self.store.overdue(now_ms=now_ms - grace_ms, limit=limit)
-        if mine is not None:
-            rows = [(k, d) for k, d in rows if mine(k)]
+        if mine is None:
+            rows = self.store.overdue(now_ms=now_ms - grace_ms, limit=limit)
+        else:
+            rows = self.overdue_keys(now_ms - grace_ms, limit, mine)
         if not rows:
             return 0
         keys = [k for k, _ in rows]
@@ -147,6 +154,24 @@ class Reconciler:
             action,
         )
         return len(rows)
+
+    def overdue_keys(
+        self, upto_ms: int, limit: int, keep: Callable[[str], bool]
+    ) -> list[tuple[str, int]]:
+        """Up to `limit` (key, due) of the pending rows due by `upto_ms` whose key `keep`
+        accepts (this listener's share, the buckets it just gained), earliest first: pages of
+        the covering index (keys only, no row reads) until enough are found, the overdue rows
+        end, or `OWN_OVERDUE_MAX_PAGES` pages were read (a peer's backlog that big is the
+        peer's to run, and the next check reads on)."""
+        found: list[tuple[str, int]] = []
+        after = KEYS_START
+        for _ in range(OWN_OVERDUE_MAX_PAGES):
+            page = self.store.pending_keys_page(after=after, upto_ms=upto_ms, limit=limit)
+            found += [(p.key, p.due_at_ms) for p in page if keep(p.key)]
+            if len(page) < limit or len(found) >= limit:
+                break
+            after = (page[-1].due_at_ms, page[-1].key)
+        return found[:limit]
 
     def _overdue_cause(self, keys: list[str]) -> str:
         """Why tasks stay overdue while events arrive: no listener has their class, or their

@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import ClassVar
 
+import pytest
 from typer.testing import CliRunner
 
 from keyexpiry import Client, Listener, Settings, current, exposed
@@ -20,7 +21,7 @@ from keyexpiry.fleet import share_silence_s
 from keyexpiry.heartbeats import ListenerRow
 from keyexpiry.partition import BUCKETS, Partition, assign, bucket_of, shares
 from keyexpiry.registry import Registry
-from keyexpiry.store import TaskStatus
+from keyexpiry.store import NewTask, TaskStatus
 from tests import sample_tasks
 from tests.ke import Running, wait_status
 
@@ -141,12 +142,24 @@ def test_a_silent_peer_leaves_the_share_after_three_beats_before_its_runs_are_ta
     assert share_silence_s(defaults.replace(heartbeat_s=0.2, takeover_after_s=1.0)) == 1.0
 
 
+@pytest.mark.parametrize("backlog", [0, 10_500], ids=["alone", "behind-a-backlog"])
 def test_a_dead_peers_share_waits_until_it_is_silent_then_runs_from_the_ledger(
-    settings: Settings, client: Client, start_listener: StartListener
+    settings: Settings, client: Client, start_listener: StartListener, backlog: int
 ) -> None:
     """A peer that beats but hears nothing (as if its process hung in the middle of dying): its
     share of the keys goes unclaimed until it is silent for three beats (`share_silence_s`);
-    then the live listener gains those buckets and claims their overdue rows from the ledger."""
+    then the live listener gains those buckets and claims their overdue rows from the ledger,
+    also when more overdue rows of other buckets than one read returns fall due before them."""
+    if backlog:
+        # A class no listener here runs: its overdue rows stay, and come first in due order.
+        now_ms = client.clock.now_ms()
+        client.store.upsert_pending(
+            [
+                NewTask(f"Nobody@m@{i}", "Nobody", "m", (str(i),), now_ms - 60_000 + i % 1000)
+                for i in range(backlog)
+            ],
+            now_ms,
+        )
     quick = settings.replace(**QUICK)
     running = start_listener(quick)
     part = running.listener.fleet.partition

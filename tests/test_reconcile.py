@@ -13,7 +13,7 @@ from keyexpiry.bench.servers import wait_until
 from keyexpiry.reconcile import DUE_FIRST_MS, Reconciler
 from keyexpiry.runtime import Runtime
 from keyexpiry.scans import ScanQueries
-from keyexpiry.store import TaskStatus
+from keyexpiry.store import NewTask, TaskStatus
 from tests.ke import wait_status
 
 
@@ -126,3 +126,28 @@ def test_a_reconciliation_asked_for_during_the_walk_walks_again_after_it(
         listener.stop()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_the_overdue_check_finds_this_listeners_rows_behind_a_peers_backlog(
+    settings: Settings, client: Client
+) -> None:
+    # 1,500 overdue rows of a peer's share fall due first; 3 of this listener's come after them.
+    now_ms = client.clock.now_ms()
+    peers = [
+        NewTask(f"Probe@record@peer{i}", "Probe", "record", (f"peer{i}",), now_ms - 60_000 + i)
+        for i in range(1500)
+    ]
+    own = [
+        NewTask(f"Probe@record@own{i}", "Probe", "record", (f"own{i}",), now_ms - 30_000 + i)
+        for i in range(3)
+    ]
+    client.store.upsert_pending(peers + own, now_ms)
+    rt = Runtime.open(settings)
+    try:
+        reconciler = Reconciler(rt)
+        found = reconciler.repair_stuck(
+            grace_ms=5_000, events_arriving=True, limit=1000, mine=lambda key: "@own" in key
+        )
+    finally:
+        rt.close()
+    assert found == 3 and reconciler.rearmed_total == 3
