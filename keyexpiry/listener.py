@@ -89,6 +89,7 @@ class Listener:
             note_due=self.driver.note,
             request_reconcile=lambda reason: self.request_reconcile(reason),
             owns=self.fleet.partition.owns,
+            leads=self.fleet.partition.leads,
         )
         self.maintenance = Maintenance(
             rt,

@@ -109,6 +109,15 @@ class Partition:
         table = self._tables.get(class_name) if class_name is not None else None
         return table is None or table[zlib.crc32(key) & _MASK] != 0
 
+    def leads(self, key: bytes) -> bool:
+        """Whether this listener, of every live one whatever its classes, is the one to act on
+        `key` (a sentinel firing: one reconciliation for the fleet, not one per listener),
+        by the same rendezvous as the buckets. True until the first heartbeat read."""
+        members = self._members
+        if not members:
+            return True
+        return assign(frozenset(members), self.me)[bucket_of(key)] == 1
+
     def owns_key(self, key: str, prefix: str = "") -> bool:
         """`owns` for a task key read from the ledger."""
         raw = key.encode()

@@ -173,9 +173,11 @@ class Router:
         note_due: Callable[[Iterable[tuple[str, int]]], None],
         request_reconcile: Callable[[str], None],
         owns: Callable[[str | None, bytes], bool] | None = None,
+        leads: Callable[[bytes], bool] | None = None,
     ) -> None:
         self._health = health
         self._owns = owns or (lambda _class, _key: True)
+        self._leads = leads or (lambda _key: True)
         self._submit = submit
         self._note_due = note_due
         self._request_reconcile = request_reconcile
@@ -215,8 +217,13 @@ class Router:
         elif route is Route.CANARY:
             self._health.canary_arrived(expired=True, key=data)
         elif route is Route.SENTINEL:
-            logger.info("sentinel {} fired: reconciling", excerpt(data))
-            self._request_reconcile("sentinel")
+            # Every listener hears it; one of them reconciles (its walk re-arms lost keys of
+            # every share, and each listener's own overdue check runs its overdue rows).
+            if self._leads(data):
+                logger.info("sentinel {} fired: reconciling", excerpt(data))
+                self._request_reconcile("sentinel")
+            else:
+                logger.debug("sentinel {} fired: another listener reconciles", excerpt(data))
         # Route.INTERNAL: another listener's canary, an expired driver lock: nothing to do.
 
     def handle_evicted(self, raw: bytes | str) -> None:

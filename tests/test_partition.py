@@ -19,6 +19,7 @@ from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.fleet import share_silence_s
 from keyexpiry.heartbeats import ListenerRow
+from keyexpiry.keys import sentinel_key
 from keyexpiry.partition import BUCKETS, Partition, assign, bucket_of, shares
 from keyexpiry.registry import Registry
 from keyexpiry.store import NewTask, TaskStatus
@@ -99,6 +100,40 @@ def _sharing(*runs: Running, classes: int) -> Callable[[], bool]:
         )
 
     return settled
+
+
+def test_exactly_one_live_listener_leads_each_sentinel_whatever_its_classes() -> None:
+    members = {"a:1:x": frozenset({"Probe"}), "b:2:y": frozenset({"Other"}), "c:3:z": None}
+    parts = [Partition(me, frozenset({"Probe"}), hold_s=0.0) for me in members]
+    assert all(p.leads(b"keyexpiry:sentinel:1") for p in parts)  # before any heartbeat read
+    for p in parts:
+        p.update(members, now_s=0.0)
+    keys = [f"keyexpiry:sentinel:{i}".encode() for i in range(1, 301)]
+    leaders = Counter(next(p.me for p in parts if p.leads(k)) for k in keys)
+    assert all(sum(p.leads(k) for p in parts) == 1 for k in keys)
+    assert set(leaders) == set(members)  # each leads some
+
+
+def test_a_sentinel_firing_is_reconciled_by_one_listener_of_two(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    quick = settings.replace(**QUICK)
+    one, two = start_listener(quick), start_listener(quick)
+    classes = len(one.listener.fleet.partition.classes)
+    wait_until(_sharing(one, two, classes=classes), 10, message="listeners never shared")
+    for r in (one, two):
+        assert r.listener.wait_reconciled(15)
+    before = {r.listener.owner: r.listener.reconciles_done for r in (one, two)}
+    key = sentinel_key(99, quick.key_prefix)
+    leader = next(r for r in (one, two) if r.listener.fleet.partition.leads(key.encode()))
+    client.redis.set(key, b"", px=50)
+    wait_until(lambda: leader.listener.reconciles_done > before[leader.listener.owner], 15)
+    for r in (one, two):
+        assert r.listener.wait_reconciled(15)
+    after = {
+        r.listener.owner: r.listener.reconciles_done - before[r.listener.owner] for r in (one, two)
+    }
+    assert sorted(after.values()) == [0, 1], after
 
 
 def test_two_listeners_split_the_keys_and_each_task_runs_once(
