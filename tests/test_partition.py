@@ -114,17 +114,23 @@ def test_exactly_one_live_listener_leads_each_sentinel_whatever_its_classes() ->
     assert set(leaders) == set(members)  # each leads some
 
 
-def test_a_sentinel_firing_is_reconciled_by_one_listener_of_two(
-    settings: Settings, client: Client, start_listener: StartListener
-) -> None:
+def _two_sharing(settings: Settings, start_listener: StartListener) -> tuple[Running, Running]:
+    """Two listeners on quick fleet settings, started and sharing the keys."""
     quick = settings.replace(**QUICK)
     one, two = start_listener(quick), start_listener(quick)
     classes = len(one.listener.fleet.partition.classes)
     wait_until(_sharing(one, two, classes=classes), 10, message="listeners never shared")
+    return one, two
+
+
+def test_a_sentinel_firing_is_reconciled_by_one_listener_of_two(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    one, two = _two_sharing(settings, start_listener)
     for r in (one, two):
         assert r.listener.wait_reconciled(15)
     before = {r.listener.owner: r.listener.reconciles_done for r in (one, two)}
-    key = sentinel_key(99, quick.key_prefix)
+    key = sentinel_key(99, settings.key_prefix)
     leader = next(r for r in (one, two) if r.listener.fleet.partition.leads(key.encode()))
     client.redis.set(key, b"", px=50)
     wait_until(lambda: leader.listener.reconciles_done > before[leader.listener.owner], 15)
@@ -139,10 +145,7 @@ def test_a_sentinel_firing_is_reconciled_by_one_listener_of_two(
 def test_two_listeners_split_the_keys_and_each_task_runs_once(
     settings: Settings, client: Client, start_listener: StartListener
 ) -> None:
-    quick = settings.replace(**QUICK)
-    one, two = start_listener(quick), start_listener(quick)
-    classes = len(one.listener.fleet.partition.classes)
-    wait_until(_sharing(one, two, classes=classes), 10, message="listeners never shared")
+    one, two = _two_sharing(settings, start_listener)
     keys = [client.create(sample_tasks.Probe.record, f"s{i}", ttl_ms=50) for i in range(300)]
     for key in keys:
         wait_status(client, key, TaskStatus.DONE)
