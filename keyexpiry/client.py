@@ -113,7 +113,9 @@ class Client:
         its state, so exactly one run happens at or after the new due time; "keep" leaves a
         pending task's due time as it is; "earlier" / "later" move it only that way. A task that
         is not pending is scheduled anew under every rule; a run already claimed for the old due
-        time (running, or claimed just before this) still happens, unrecorded.
+        time (running, or claimed just before this) still happens, unrecorded, unless the
+        listener had not read its claim back yet (a round trip on MySQL/MariaDB): then only the
+        new run happens.
 
         Returns the key as a `Scheduled`: a `str` with `.outcome` ("created", "replaced",
         "moved" or "kept") and `.due_at_ms` (the task's due time afterwards). A kept task's key

@@ -11,6 +11,10 @@ in progress on each connection, and when a COMMIT ends a transaction that a rule
 - `"hold"`: forward the COMMIT, drop the answer and keep both sides open: the client waits for
   ever with its transaction committed (a process frozen right after its claim committed).
 
+A statement run in autocommit (a claim: no COMMIT follows) is matched on its own by
+`break_statement`, with the same three faults: "reply" after the server committed it, "commit"
+before the server saw it, "hold" with it committed.
+
 Threads and blocking sockets, so a test needs nothing but `with MySQLProxy(url) as proxy`.
 """
 
@@ -38,6 +42,9 @@ class _Rule:
     when: TxRule
     times: int
     fault: Fault
+    alone: bool = False
+    """Matched against each statement on its own (an autocommitted one), not a COMMIT's
+    transaction."""
 
 
 @dataclass(eq=False)
@@ -76,6 +83,12 @@ class MySQLProxy:
         """Break the next `times` COMMITs of transactions for which `when(statements)` is true."""
         with self._lock:
             self._rules.append(_Rule(when, times, fault))
+
+    def break_statement(self, when: TxRule, *, fault: Fault = "reply", times: int = 1) -> None:
+        """Break the next `times` statements for which `when([statement])` is true, as they are
+        sent (for statements that commit on their own: the server's answer is the commit's)."""
+        with self._lock:
+            self._rules.append(_Rule(when, times, fault, alone=True))
 
     def start(self) -> Self:
         """Accept connections on a background thread."""
@@ -155,12 +168,16 @@ class MySQLProxy:
             return None
         if word != b"COMMIT":
             pair.tx.append(text)
-            return None
+            return self._match([text], alone=True)
         statements, pair.tx = pair.tx, []
         with self._lock:
             self.commits_seen.append(statements)
+        return self._match(statements, alone=False)
+
+    def _match(self, statements: Sequence[bytes], *, alone: bool) -> Fault | None:
+        with self._lock:
             for rule in self._rules:
-                if rule.times > 0 and rule.when(statements):
+                if rule.alone is alone and rule.times > 0 and rule.when(statements):
                     rule.times -= 1
                     self.broken += 1
                     self.broken_event.set()

@@ -105,11 +105,15 @@ def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
     _fill(store)
     sent: list[tuple[str, Any]] = []
 
-    @event.listens_for(store.engine, "before_cursor_execute")
     def capture(_c: Any, _cur: Any, statement: str, params: Any, _ctx: Any, _many: bool) -> None:
         verb = statement.lstrip().split(None, 1)[0].upper()
         if verb in ("SELECT", "UPDATE", "DELETE") and "time_limit_task" in statement:
             sent.append((statement, params))
+
+    # The main pool, and the autocommit one (claims, single creates).
+    for engine in (store.engine, store._autocommit):
+        if engine is not None:
+            event.listen(engine, "before_cursor_execute", capture)
 
     reads: dict[str, Callable[[], object]] = {
         # the listener and reconciliation

@@ -64,9 +64,13 @@ def test_ambiguous_commit(
     fault: Fault,
     times: int,
 ) -> None:
-    # The claim (status='running') or the record (status='done') transaction loses its
-    # connection at COMMIT: "reply" after the server committed, "commit" before it could.
-    proxy.break_commit(updates_status(status), fault=fault, times=times)
+    # The claim (status='running', autocommitted: its UPDATE is its commit) or the record
+    # (status='done') transaction loses its connection at its commit: "reply" after the server
+    # committed, "commit" before it could.
+    if status == "running":
+        proxy.break_statement(updates_status(status), fault=fault, times=times)
+    else:
+        proxy.break_commit(updates_status(status), fault=fault, times=times)
     cfg = make_settings(redis_url, proxy.url, tmp_path, handler_timeout_s=1.0, lease_grace_s=0.5)
     running = start_listener(cfg)
     keys = ledger.create_many(
@@ -81,7 +85,7 @@ def test_ambiguous_commit(
         assert attempts[-1] == 2, attempts
     else:
         # Recovered at once, not by the lease: a claim retried under its token finds the rows
-        # its lost COMMIT took; a record retried finds them done and runs nothing again.
+        # its lost commit took; a record retried finds them done and runs nothing again.
         assert attempts == [1] * len(keys), attempts
     running.stop()
 
@@ -253,10 +257,10 @@ def test_listener_killed_between_claim_and_handler_start(
     verdict: Verdict,
 ) -> None:
     waiting = ledger.key_for("Probe.record", "claimed")
-    # The first listener's claim of `waiting` commits, and its answer never arrives: the row is
-    # running under that listener while no handler of it has started (or can: `claim` has not
-    # returned).
-    proxy.break_commit(updates_status("running", mentioning=waiting), fault="hold")
+    # The first listener's claim of `waiting` commits (its UPDATE, autocommitted), and its
+    # answer never arrives: the row is running under that listener while no handler of it has
+    # started (or can: `claim` has not returned).
+    proxy.break_statement(updates_status("running", mentioning=waiting), fault="hold")
     first = make_settings(redis_url, proxy.url, tmp_path)
     proc, log = spawn.listen(first, KEYEXPIRY_CONCURRENCY="1", KEYEXPIRY_HANDLER_TIMEOUT_S="2")
     # Its only worker is taken by a handler that hangs (past its 0.3 s timeout, so the slot is
