@@ -105,6 +105,11 @@ def _set_one(client: redis.Redis | RedisCluster, key: str, due_ms: int) -> None:
             except redis.RedisError:
                 # An error reply or a cut connection: nothing of it may stay on a pooled one.
                 conn.disconnect()  # type: ignore[no-untyped-call]
+            except BaseException:
+                # Interrupted between the command and its reply: the reply must not be read by
+                # the connection's next user.
+                conn.disconnect()  # type: ignore[no-untyped-call]
+                raise
             finally:
                 pool.release(conn)
     client.set(key, b"", pxat=due_ms)

@@ -199,7 +199,9 @@ class Claimer:
             len(keys),
             exc,
         )
-        rows: dict[int, TaskRow] = {}  # each claim returns every row held under the token
+        # Each claim reads back its key's row if the token holds it, also when an earlier
+        # statement of the failed claim (autocommitted) took it.
+        rows: dict[int, TaskRow] = {}
         locked: set[str] = set()
         for i, key in enumerate(keys):
             try:

@@ -175,9 +175,10 @@ class ClaimQueries(Ledger):
 
     def prepare_claims(self, max_batch: int) -> int:
         """Compile now the claim statements of every list size a batch of up to `max_batch`
-        keys takes, and the outcome statement of every size (outcomes gathered for 50 ms are
-        not bound by the claim batch), instead of on first use in a busy second (a big size
-        took milliseconds, with every due task waiting); returns how many were compiled."""
+        keys takes, and the statement recording successes without results at every size
+        (outcomes gathered for 50 ms are not bound by the claim batch), instead of on first use
+        in a busy second (a big size took milliseconds, with every due task waiting); returns
+        how many were compiled. Successes with results compile on first use."""
         every = sorted({_size(n) for n in range(1, _MAX_LIST + 1)})
         claims = [size for size in every if size <= _size(min(max_batch, _MAX_LIST))]
         for size in claims:
