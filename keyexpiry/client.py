@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,35 +138,27 @@ class Client:
     ) -> list[Scheduled]:
         """Schedule many tasks with one ledger transaction and one Redis pipeline.
 
-        All arguments are checked first: one bad request means nothing is written. With `tx`,
-        in the caller's transaction, as in `create`. A key requested twice counts once, as its
-        last request says, in the place of its first. Returns one `Scheduled` per key.
+        One bad request means nothing is written: on MySQL/MariaDB the rows of the requests
+        checked so far are sent while the rest are checked, in a transaction that a bad one
+        rolls back. With `tx`, in the caller's transaction, as in `create`. A key requested
+        twice counts once, as its last request says, in the place of its first. Returns one
+        `Scheduled` per key.
         """
         now_ms = self._now_ms()
-        new: dict[str, NewTask] = {}
-        # Only the keys whose (last) request is not "replace": a bulk create of the default rule
-        # pays nothing per task for the rules.
-        rules: dict[str, IfExists] = {}
-        replace = IfExists.REPLACE
-        # A bulk create names a few task methods many times over: each is resolved once.
-        specs: dict[object, TaskSpec] = {}
-        for req in requests:
+        batch = _Batch(self, now_ms)
+        if tx is None and not (isinstance(requests, Sequence) and len(requests) <= 1):
+            rest = iter(requests)
             try:
-                spec = specs.get(req.target) or specs.setdefault(req.target, self.spec(req.target))
-            except TypeError:  # a target that cannot be a dict key (an unhashable callable)
-                spec = self.spec(req.target)
-            encoded = spec.encode_args(req.args)
-            key = format_key(spec.class_name, spec.method, encoded, prefix=self.settings.key_prefix)
-            schedule = limits.delays(req.retry_schedule_s, "retry_schedule_s", ArgumentError)
-            due = due_at_ms(now_ms, ttl_s=req.ttl_s, ttl_ms=req.ttl_ms, at=req.at)
-            rule = IfExists.of(req.if_exists)
-            if rule is not replace:
-                rules[key] = rule
-            elif rules:
-                rules.pop(key, None)
-            tag = check_tag(req.tag, ArgumentError)
-            new[key] = NewTask(key, spec.class_name, spec.method, encoded, due, schedule, tag)
-        tasks = list(new.values())
+                # Rows are sent while the requests after them are still being checked.
+                tasks, done = self.store.upsert_streamed(batch.plain(rest), now_ms)
+            except _NotPlain:
+                batch.add_all(rest)  # rolled back: the general path below, with every request
+            else:
+                self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
+                return _scheduled(tasks, done)
+        else:
+            batch.add_all(requests)
+        tasks, rules, replace = list(batch.new.values()), batch.rules, IfExists.REPLACE
         order = [rules.get(t.key, replace) for t in tasks] if rules or tx is not None else []
         if tx is not None:
             conn = self._join(tx)
@@ -363,6 +355,64 @@ class Client:
                 f"task recorded in the ledger but its Redis key was not set ({exc}); "
                 "reconciliation will set it, or create it again"
             ) from None
+
+
+class _NotPlain(Exception):
+    """Raised when a bulk create written as it is read meets a request the plain upsert cannot
+    write: a rule other than "replace", or a key requested before."""
+
+
+class _Batch:
+    """The tasks of one `create_many` call, made as its requests are read: each key once, in
+    the place of its first request, as its last request says."""
+
+    def __init__(self, client: Client, now_ms: int) -> None:
+        self._client, self._now_ms = client, now_ms
+        self.new: dict[str, NewTask] = {}
+        self.rules: dict[str, IfExists] = {}
+        """Only the keys whose (last) request is not "replace": a bulk create of the default
+        rule pays nothing per task for the rules."""
+        # A bulk create names a few task methods many times over: each is resolved once.
+        self._specs: dict[object, TaskSpec] = {}
+        self._prefix = client.settings.key_prefix
+
+    def add(self, req: TaskRequest) -> NewTask:
+        """Check `req` (ArgumentError, UnknownTaskError) and make its task."""
+        try:
+            spec = self._specs.get(req.target) or self._specs.setdefault(
+                req.target, self._client.spec(req.target)
+            )
+        except TypeError:  # a target that cannot be a dict key (an unhashable callable)
+            spec = self._client.spec(req.target)
+        encoded = spec.encode_args(req.args)
+        key = format_key(spec.class_name, spec.method, encoded, prefix=self._prefix)
+        schedule = limits.delays(req.retry_schedule_s, "retry_schedule_s", ArgumentError)
+        due = due_at_ms(self._now_ms, ttl_s=req.ttl_s, ttl_ms=req.ttl_ms, at=req.at)
+        rule = IfExists.of(req.if_exists)
+        if rule is not IfExists.REPLACE:
+            self.rules[key] = rule
+        elif self.rules:
+            self.rules.pop(key, None)
+        tag = check_tag(req.tag, ArgumentError)
+        task = self.new[key] = NewTask(
+            key, spec.class_name, spec.method, encoded, due, schedule, tag
+        )
+        return task
+
+    def add_all(self, requests: Iterable[TaskRequest]) -> None:
+        """`add` each of `requests`."""
+        for req in requests:
+            self.add(req)
+
+    def plain(self, requests: Iterator[TaskRequest]) -> Iterator[NewTask]:
+        """The task of each of `requests` as it is read, while each is of the rule "replace"
+        and a key not requested before; then _NotPlain (that request added, the rest unread)."""
+        for req in requests:
+            count = len(self.new)
+            task = self.add(req)
+            if self.rules or len(self.new) == count:
+                raise _NotPlain
+            yield task
 
 
 def _scheduled(tasks: Sequence[NewTask], done: Sequence[tuple[Did, int]]) -> list[Scheduled]:

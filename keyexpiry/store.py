@@ -11,7 +11,7 @@ import heapq
 import itertools
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from loguru import logger
 from sqlalchemy import ColumnElement, Connection, and_, func, inspect, or_, select, update
@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from keyexpiry.claims import ClaimQueries
 from keyexpiry.errors import StoreError
 from keyexpiry.heartbeats import HeartbeatQueries
-from keyexpiry.ledger import retried_once
+from keyexpiry.ledger import retried_once, worth_retrying
 from keyexpiry.lookups import LookupQueries
 from keyexpiry.migrations import (
     BUILD_ON_START_MAX_ROWS,
@@ -33,11 +33,15 @@ from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.scans import ScanQueries
 from keyexpiry.scheduling import Did, IfExists, ScheduleQueries
-from keyexpiry.table import TABLE_NAME, T, make_engine, metadata, time_limit_task
+from keyexpiry.table import (
+    PIPELINED_STATEMENT_BYTES,
+    TABLE_NAME,
+    T,
+    make_engine,
+    metadata,
+    time_limit_task,
+)
 from keyexpiry.transactions import database_identity
-
-# Statements whose values are written into them: no `%` in them is a placeholder for PyMySQL.
-_NO_PARAMETERS = {"no_parameters": True}
 
 __all__ = [
     "TABLE_NAME",
@@ -157,21 +161,58 @@ class Store(
             )
             # 1: inserted; 2: an existing row reset; 0: reset to the very values it held.
             return [(Did.CREATED if changed == 1 else Did.REPLACED, task.due_at_ms)]
+        return self._upsert_literal(tasks, tasks, now_ms)
+
+    def upsert_streamed(
+        self, tasks: Iterable[NewTask], now_ms: int
+    ) -> tuple[list[NewTask], list[tuple[Did, int]]]:
+        """`upsert_pending` for tasks made as they are read: on MySQL/MariaDB (PyMySQL) the
+        rows read so far are sent while the rest are made, in one transaction. An exception
+        from `tasks` rolls back everything. Returns the tasks read and what was done to each.
+
+        For a bulk create, whose requests cost about as much to check as their rows cost the
+        server to insert: this way the two overlap.
+        """
+        if self.engine.dialect.name == "sqlite" or not self._literal_upserts:
+            listed = list(tasks)
+            return listed, self.upsert_pending(listed, now_ms)
+        taken: list[NewTask] = []
+
+        def taking() -> Iterator[NewTask]:
+            for task in tasks:
+                taken.append(task)
+                yield task
+
+        try:
+            return taken, self._upsert_literal(taking(), taken, now_ms)
+        except StoreError as exc:
+            if not worth_retrying(exc):
+                raise
+            # Rolled back: once more, with the tasks read so far and then the rest.
+            listed = [*taken, *tasks]
+            return listed, self.upsert_pending(listed, now_ms)
+
+    def _upsert_literal(
+        self, tasks: Iterable[NewTask], taken: Sequence[NewTask], now_ms: int
+    ) -> list[tuple[Did, int]]:
+        """Upsert `tasks` in `LiteralUpsert` statements, pipelined (`Ledger._pipelined`);
+        `taken` holds them all once `tasks` is read (it is `tasks` when that is a sequence)."""
         try:
             with self._tx() as conn:
                 escape = conn.connection.driver_connection.escape  # type: ignore[union-attr]
-                affected = 0
-                for sql in self._literal(conn.dialect).statements(escape, tasks, now_ms):
-                    affected += conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS).rowcount
+                statements = self._literal(conn.dialect).statements(
+                    escape, tasks, now_ms, max_bytes=PIPELINED_STATEMENT_BYTES
+                )
+                affected = self._pipelined(conn, statements)
                 # Found rows (this pool asks for them): 1 a row inserted (or unchanged), 2 a row
                 # reset. All new or all existing says it for every key; a mix says nothing.
-                if affected in (len(tasks), 2 * len(tasks)):
-                    did = Did.CREATED if affected == len(tasks) else Did.REPLACED
-                    return [(did, t.due_at_ms) for t in tasks]
+                if affected in (len(taken), 2 * len(taken)):
+                    did = Did.CREATED if affected == len(taken) else Did.REPLACED
+                    return [(did, t.due_at_ms) for t in taken]
                 raise _Mixed()
         except _Mixed:
             # Rolled back: done again with the rows read first (a mix is the rare bulk create).
-            return self.schedule(tasks, [IfExists.REPLACE] * len(tasks), now_ms)
+            return self.schedule(taken, [IfExists.REPLACE] * len(taken), now_ms)
 
     def _upsert_sqlite(self, tasks: Sequence[NewTask], now_ms: int) -> list[tuple[Did, int]]:
         # Under the write lock from the start, the rows inserted are those whose id passes the

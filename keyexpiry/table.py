@@ -4,7 +4,7 @@ engine tuned for it, and the create-or-reschedule upsert."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from sqlalchemy import (
@@ -286,6 +286,10 @@ _ONE_ROW = re.compile(r"(INSERT INTO .*? VALUES )\(((?:%\(\w+\)s, )*%\(\w+\)s)\)
 LITERAL_STATEMENT_MAX_BYTES = 1_000_000
 """A bulk upsert is cut into statements of at most this size, as PyMySQL cuts its own multi-row
 INSERTs: below the smallest `max_allowed_packet` a server is likely to have (1 MiB)."""
+PIPELINED_STATEMENT_BYTES = 128_000
+"""The statement size of a bulk create's upsert (about 1,000 rows): small enough that building
+the next statement overlaps most of the server's work on this one (`Ledger._pipelined`), large
+enough that a round trip per statement costs nothing measurable."""
 
 
 class LiteralUpsert:
@@ -340,7 +344,7 @@ class LiteralUpsert:
     def statements(
         self,
         escape: Callable[[str], str],
-        tasks: Sequence[NewTask],
+        tasks: Iterable[NewTask],
         now_ms: int,
         max_bytes: int = LITERAL_STATEMENT_MAX_BYTES,
     ) -> Iterator[str]:

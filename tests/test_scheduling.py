@@ -168,6 +168,43 @@ def test_bulk_replace_all_new_all_existing_and_mixed(client: Client) -> None:
     assert client.store.counts() == {"pending": 5}
 
 
+def _plain(count: int) -> list[TaskRequest]:
+    return [TaskRequest("Probe.record", (f"n{i}",), ttl_s=30) for i in range(count)]
+
+
+def test_a_bad_request_late_in_a_bulk_create_writes_nothing(client: Client) -> None:
+    """On MariaDB the rows of the requests before it are already sent when it is read
+    (`Store.upsert_streamed`): it rolls them back."""
+    bad = TaskRequest("Probe.record", ("bad",), ttl_s=30, tag="t" * 500)
+    with pytest.raises(ArgumentError, match="tag"):
+        client.create_many(iter([*_plain(2500), bad, *_plain(10)]))
+    assert client.store.counts() == {}
+    assert client.redis.dbsize() == 0
+    assert [s.outcome for s in client.create_many(_plain(3000))] == [Did.CREATED] * 3000
+
+
+@pytest.mark.parametrize("late", ["rule", "repeated key"])
+def test_a_rule_or_a_repeated_key_late_in_a_bulk_create(client: Client, late: str) -> None:
+    """Met after rows were sent, either is done again by the path that handles it: outcomes
+    per key, the last request of a repeated key in the place of its first."""
+    client.create("Probe.record", "old", ttl_s=OLD_S)
+    requests = [*_plain(2500), TaskRequest("Probe.record", ("n7",), ttl_s=OLD_S * 2)]
+    if late == "rule":
+        requests.append(TaskRequest("Probe.record", ("old",), ttl_s=10, if_exists="keep"))
+    requests.append(TaskRequest("Probe.record", ("tail",), ttl_s=30))  # read after the switch
+    got = client.create_many(iter(requests))
+    assert len(got) == 2501 + (late == "rule")
+    assert got[7] == "Probe@record@n7" and got[7].outcome is Did.CREATED
+    assert got[7].due_at_ms - got[0].due_at_ms == (OLD_S * 2 - 30) * 1000
+    assert int(client.redis.pttl("Probe@record@n7")) > (OLD_S * 2 - 3) * 1000
+    assert {s.outcome for s in got[:2500]} == {Did.CREATED}
+    assert got[-1] == "Probe@record@tail" and got[-1].outcome is Did.CREATED
+    if late == "rule":
+        assert got[-2] == "Probe@record@old" and got[-2].outcome is Did.KEPT
+        assert int(client.redis.pttl("Probe@record@old")) > (OLD_S - 3) * 1000
+    assert client.store.counts() == {"pending": 2502}
+
+
 def test_a_single_create_says_created_then_replaced(client: Client) -> None:
     first = client.create("Probe.record", "one", ttl_s=30)
     second = client.create("Probe.record", "one", ttl_s=40)
