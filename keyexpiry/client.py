@@ -146,7 +146,10 @@ class Client:
         """
         now_ms = self._now_ms()
         batch = _Batch(self, now_ms)
-        if tx is None and not (isinstance(requests, Sequence) and len(requests) <= 1):
+        # Read whole before the transaction: however slowly the caller makes its requests, the
+        # transaction is open only while they are checked.
+        requests = requests if isinstance(requests, Sequence) else list(requests)
+        if tx is None and len(requests) > 1:
             rest = iter(requests)
             try:
                 # Rows are sent while the requests after them are still being checked.
