@@ -196,8 +196,9 @@ class ClaimQueries(Ledger):
 
         Only rows that are pending and due are taken, so a stale event for a task rescheduled to
         later does nothing, and of several listeners racing for a row exactly one gets it.
-        Returns every row held under `token`, so a claim repeated after a lost reply finds the
-        rows the first one took: `token` names one claim, and a repeat passes the same times.
+        Returns every row of `keys` held under `token`, so a claim repeated after a lost reply
+        finds the rows the first one took: `token` names one claim, and a repeat passes the same
+        keys and times.
         On MySQL/MariaDB its statements are autocommitted (`Ledger._statements`): one round
         trip less.
         """

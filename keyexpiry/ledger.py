@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pymysql.connections import Connection as PyMySQLConnection
 from pymysql.constants import COMMAND
 from sqlalchemy import ClauseElement, Connection, CursorResult, Dialect, Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -127,6 +128,11 @@ class Ledger:
         # PyMySQL only: another driver keeps the bound upsert (and its own escaping).
         pymysql = engine.dialect.driver == "pymysql"
         self._literal_upserts = pymysql
+        # A statement sent and its reply read apart (`_pipelined`): PyMySQL's own two halves of
+        # `Connection.query`, private names, so checked once here rather than trusted.
+        self._pipelines = pymysql and all(
+            hasattr(PyMySQLConnection, name) for name in ("_execute_command", "next_result")
+        )
         self._literal_upsert: LiteralUpsert | None = None
         self._autocommit = autocommit_engine(engine) if pymysql else None
         self._url = mask_url(engine.url.render_as_string(hide_password=True))
@@ -228,17 +234,18 @@ class Ledger:
         as much to build as to insert). Returns their affected rows, summed.
 
         PyMySQL's `Connection.query` is its `_execute_command` (send) then `next_result` (read
-        the reply); here the two are apart. Where a PyMySQL without them is installed, each
-        statement is sent and answered in turn. When building the next statement raises, the
-        reply in flight is read before the exception goes on (or, for an interrupt, the
-        connection is invalidated): the connection's next user must not read it as its own.
+        the reply); here the two are apart. Where a PyMySQL without them is installed
+        (`_pipelines` false), each statement is sent and answered in turn. When building the
+        next statement raises, the reply in flight is read before the exception goes on (or,
+        for an interrupt, the connection is invalidated): the connection's next user must not
+        read it as its own.
         Driver errors are wrapped as `exec_driver_sql` wraps them.
         """
-        dbapi: Any = conn.connection.driver_connection
-        send = getattr(dbapi, "_execute_command", None)
-        if send is None:
+        if not self._pipelines:
             run = conn.exec_driver_sql
             return sum(run(sql, execution_options=_NO_PARAMETERS).rowcount for sql in statements)
+        dbapi: Any = conn.connection.driver_connection
+        send = dbapi._execute_command
         dialect = conn.dialect
         affected = 0
         statements = iter(statements)

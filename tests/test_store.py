@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import StoreError
@@ -314,6 +315,27 @@ def test_a_bulk_create_that_fails_between_statements_writes_nothing_and_leaves_t
         assert store.count_pending() == 1
     store.upsert_pending([new(f"A@m@again{i}") for i in range(3000)], NOW)
     assert store.count_pending() == 3001
+    store.engine.dispose()
+
+
+def test_a_bulk_create_without_pipelining_writes_the_same_rows(mysql_url: str) -> None:
+    # The path taken where PyMySQL lacks the private halves of `query` that `_pipelined` uses.
+    store = Store(make_engine(mysql_url))
+    store.create_schema()
+    assert store._pipelines
+    store._pipelines = False
+    sent: list[str] = []
+    # Sent through SQLAlchemy, statement by statement: its events see each one.
+    event.listen(store.engine, "before_cursor_execute", lambda *a: sent.append(a[2].split()[0]))
+    tasks = [new(f"A@m@bulk{i}") for i in range(3000)]
+    assert [d.value for d, _ in store.upsert_pending(tasks, NOW)] == ["created"] * 3000
+    again = [new(f"A@m@bulk{i}", NOW + 5) for i in range(3000)]
+    assert [d.value for d, _ in store.upsert_pending(again, NOW)] == ["replaced"] * 3000
+    # Told by the statements' affected rows alone: no rows read first (the path for a mix).
+    assert set(sent) == {"INSERT"} and len(sent) >= 4, sent
+    assert store.count_pending() == 3000
+    row = store.get("A@m@bulk2999")
+    assert row is not None and row.due_at_ms == NOW + 5
     store.engine.dispose()
 
 
