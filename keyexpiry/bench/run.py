@@ -46,6 +46,7 @@ def _short(r: dict[str, Any]) -> str:
         "extra_runs",
         "tasks_per_s",
         "single_per_s",
+        "single_cold_per_s",
         "bulk_per_s",
         "redis_bytes_per_task",
         "settled_late_p99_ms",
@@ -118,7 +119,7 @@ def run(
                     "create",
                     runs,
                     lambda: scenarios.create_rates(
-                        srv, backend, single=int(2000 * size), bulk=int(100_000 * size)
+                        srv, backend, single=int(5000 * size), bulk=int(100_000 * size)
                     ),
                 )
             elif name == "sparse":

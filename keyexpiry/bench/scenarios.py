@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from keyexpiry import Client, TaskRequest
@@ -23,6 +25,9 @@ from keyexpiry.store import TaskStatus
 
 NOOP = "Bench@noop@%"
 CHUNK = 10_000
+COLD = 200
+BLOCK = 500
+"""A fresh client's first creates, timed apart from its one-at-a-time rate."""
 
 
 def _create_wave(client: Client, n: int, first_due_ms: int, span_ms: int) -> float:
@@ -140,14 +145,69 @@ def _max_attempts(client: Client) -> int:
     return int(got or 0)
 
 
+@contextlib.contextmanager
+def _bare_round_trips(client: Client) -> Iterator[Callable[[], None]]:
+    """A call that makes the two round trips a create cannot do without, and nothing else: a
+    no-op statement on a held ledger connection, committed by the server as it runs (as a
+    single create's upsert is on MySQL/MariaDB), then a PING on a held Redis connection."""
+    sqlite = client.store.engine.dialect.name == "sqlite"
+    raw = client.store.engine.raw_connection()
+    driver: Any = raw.driver_connection
+    pool = client.redis.connection_pool
+    conn = pool.get_connection()
+    cursor = raw.cursor()
+    try:
+        if not sqlite:
+            driver.autocommit(True)  # set back below: the connection goes back to the pool
+        no_op = "SELECT 1" if sqlite else "DO 1"
+
+        def bare() -> None:
+            cursor.execute(no_op)
+            cursor.fetchall()
+            conn.send_command("PING")  # type: ignore[no-untyped-call]
+            conn.read_response()
+
+        yield bare
+    finally:
+        cursor.close()
+        if not sqlite:
+            driver.autocommit(False)
+        pool.release(conn)
+        raw.close()
+
+
 def create_rates(srv: Servers, backend: str, *, single: int, bulk: int) -> dict[str, Any]:
-    """Tasks/s for one-at-a-time and bulk create, and Redis bytes per pending task."""
+    """Tasks/s for one-at-a-time and bulk create, and Redis bytes per pending task.
+
+    The one-at-a-time rate is a running application's: its first `COLD` creates (which open
+    the client's connections, tens of ms each with PyMySQL, and build its statements) are timed
+    apart, as `single_cold_per_s`. Blocks of creates alternate with blocks of the same number of
+    bare round trips (`_bare_round_trips`): `floor_per_s` is what this machine allowed, and
+    `single_vs_floor` (the median of the blocks' ratios) is the figure the machine's noise
+    moves least.
+    """
     redis_url, db_url = srv.fresh(backend)
     with Client(settings_for(redis_url, db_url)) as client:
         start = time.perf_counter()
-        for i in range(single):
-            client.create("Bench.other", i, ttl_s=86_400)
-        single_rate = single / (time.perf_counter() - start)
+        for i in range(COLD):
+            client.create("Bench.other", -1 - i, ttl_s=86_400)
+        cold_rate = COLD / (time.perf_counter() - start)
+        single_s = floor_s = 0.0
+        ratios = []
+        with _bare_round_trips(client) as bare:
+            for first in range(0, single, BLOCK):
+                count = min(BLOCK, single - first)
+                start = time.perf_counter()
+                for i in range(first, first + count):
+                    client.create("Bench.other", i, ttl_s=86_400)
+                took_s = time.perf_counter() - start
+                start = time.perf_counter()
+                for _ in range(count):
+                    bare()
+                bare_s = time.perf_counter() - start
+                single_s, floor_s = single_s + took_s, floor_s + bare_s
+                ratios.append(bare_s / took_s)
+        single_rate = single / single_s
         before = redis_used_bytes(client.redis)
         start = time.perf_counter()
         for base in range(single, single + bulk, CHUNK):
@@ -160,6 +220,9 @@ def create_rates(srv: Servers, backend: str, *, single: int, bulk: int) -> dict[
         pending = count_status(client, TaskStatus.PENDING)
     return {
         "single_per_s": round(single_rate),
+        "single_cold_per_s": round(cold_rate),
+        "floor_per_s": round(single / floor_s),
+        "single_vs_floor": round(statistics.median(ratios), 2),
         "bulk_per_s": round(bulk_rate),
         "redis_bytes_per_task": round(per_task, 1),
         "pending": pending,
