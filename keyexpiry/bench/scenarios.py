@@ -222,7 +222,7 @@ def create_rates(srv: Servers, backend: str, *, single: int, bulk: int) -> dict[
         "single_per_s": round(single_rate),
         "single_cold_per_s": round(cold_rate),
         "floor_per_s": round(single / floor_s),
-        "single_vs_floor": round(statistics.median(ratios), 2),
+        "single_vs_floor": round(statistics.median(ratios), 3),
         "bulk_per_s": round(bulk_rate),
         "redis_bytes_per_task": round(per_task, 1),
         "pending": pending,
