@@ -269,8 +269,8 @@ _FRESH = {
 }
 """What a create writes into every row it resets, the same for every task: on MySQL/MariaDB the
 update clause sets these as constants, which the server parses and resolves for less than a
-`VALUES(col)` each (a single create is about 6 % faster, measured), and an inserted row takes the
-NULLs as its columns' default."""
+`VALUES(col)` each (single creates 1.06x in-process, 1.01-1.03x in `bench --scenario create`),
+and an inserted row takes the NULLs as its columns' default."""
 
 
 def upsert_statement(dialect: str) -> Any:

@@ -26,8 +26,9 @@ from keyexpiry.store import TaskStatus
 NOOP = "Bench@noop@%"
 CHUNK = 10_000
 COLD = 200
-BLOCK = 500
 """A fresh client's first creates, timed apart from its one-at-a-time rate."""
+BLOCK = 500
+"""One-at-a-time creates between two blocks of bare round trips."""
 
 
 def _create_wave(client: Client, n: int, first_due_ms: int, span_ms: int) -> float:
