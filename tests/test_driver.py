@@ -46,7 +46,9 @@ def test_a_task_hidden_among_far_future_keys_fires_promptly_with_the_driver(
         keys = [c.create("Probe.record", f"hidden{i}", ttl_ms=300 + 20 * i) for i in range(10)]
         for key in keys:
             wait_status(c, key, TaskStatus.DONE, timeout_s=10)
-        assert max(_lateness_ms(c, keys)) < 1000
+        # Redis alone finds these among 100k keys in minutes (next test); 3 s leaves room for
+        # a stalled machine.
+        assert max(_lateness_ms(c, keys)) < 3000
         assert running.listener.driver.lookups >= 10
 
 
@@ -72,8 +74,10 @@ def test_without_the_driver_redis_alone_announces_hidden_keys_late(
 def test_tasks_created_before_the_listener_starts_fire_on_time(
     client: Client, settings: Settings, start_listener: StartListener
 ) -> None:
+    # Due after the listener is surely up (a start under load took over a second): on time
+    # means by the driver's start-up window, not by start-up reconciliation.
     keys = client.create_many(
-        TaskRequest("Probe.record", (f"early{i}",), ttl_ms=800 + i) for i in range(20)
+        TaskRequest("Probe.record", (f"early{i}",), ttl_ms=3_000 + i) for i in range(20)
     )
     start_listener(settings)
     for key in keys:

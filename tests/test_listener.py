@@ -78,8 +78,10 @@ def test_a_cancelled_task_never_runs_and_cancel_tells_the_truth(
     client: Client, settings: Settings, start_listener: StartListener
 ) -> None:
     start_listener(settings)
-    doomed = client.create("Probe.record", "doomed", ttl_ms=150)
-    control = client.create("Probe.record", "control", ttl_ms=300)
+    # Due well after the cancel even when a stall comes between (at 150 ms the listener could
+    # claim it first, and the cancel would rightly say False).
+    doomed = client.create("Probe.record", "doomed", ttl_ms=1_500)
+    control = client.create("Probe.record", "control", ttl_ms=1_700)
     assert client.cancel("Probe.record", "doomed") is True
     assert client.cancel("Probe.record", "doomed") is False
     assert client.ttl_ms("Probe.record", "doomed") is None
