@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from keyexpiry.bench.servers import LOOPBACK, MariaDBServer, RedisServer, find_binary
 from keyexpiry.bench.servers.cluster import LocalCluster
@@ -29,6 +30,14 @@ from keyexpiry.bench.servers.sentinel import SentinelGroup
 
 # keyexpiry-level fixtures (settings, client, start_listener) live in tests/ke.py.
 pytest_plugins = ["tests.ke", "tests.reliability"]
+
+# No time limit per example: tests assert behaviour, the benchmark measures time (a loaded CI
+# machine can exceed Hypothesis's 200 ms default). The loaded profile (Hypothesis's own "ci" one
+# under CI) is kept otherwise.
+hypothesis_settings.register_profile(
+    "keyexpiry", hypothesis_settings(hypothesis_settings.default, deadline=None)
+)
+hypothesis_settings.load_profile("keyexpiry")
 
 REDIS_SERVER = os.environ.get("KEYEXPIRY_TEST_REDIS_SERVER") or "redis-server"
 MARIADBD = os.environ.get("KEYEXPIRY_TEST_MARIADBD") or "mariadbd"

@@ -319,11 +319,12 @@ def test_cancel_with_the_cli_clients(
 ) -> None:
     settings, client = ledger
     start_listener(settings)
-    cancelled, _ = producer.create("Probe", "record", "cancel me", delay_ms=3_000)
-    by_python = client.create("Probe.record", "cancelled by Python", ttl_ms=3_000)
+    # Due long after the cancels: a dozen command-line clients run before them, which on a
+    # loaded machine took seconds.
+    cancelled, _ = producer.create("Probe", "record", "cancel me", delay_ms=60_000)
+    by_python = client.create("Probe.record", "cancelled by Python", ttl_ms=60_000)
     # The producer died after the UPDATE, before the DEL: the key expires and claims nothing.
-    left, _ = producer.create("Probe", "record", "key left behind", delay_ms=3_000)
-    after, _ = producer.create("Probe", "record", "due after both", delay_ms=3_300)
+    left, _ = producer.create("Probe", "record", "key left behind", delay_ms=60_000)
 
     pending = client.store.get(cancelled)
     assert pending is not None and _shape(pending) == _shape(client.store.get(by_python))
@@ -332,6 +333,8 @@ def test_cancel_with_the_cli_clients(
     assert not producer.cancel(cancelled)  # not pending any more
     assert producer.cancel(left, delete_key=False)
     assert client.redis.exists(cancelled) == 0 and client.redis.exists(left) == 1
+    client.redis.pexpire(left, 50)  # it falls due now, into an event that must claim nothing
+    after, _ = producer.create("Probe", "record", "due after both", delay_ms=300)
 
     wait_status(client, after, TaskStatus.DONE)
     assert not producer.cancel(after)  # done: nothing to cancel

@@ -62,13 +62,15 @@ def test_acl_user_locked_out(
     with Client(make_settings(server.url(), db_url, tmp_path)) as c:
         running = start_listener(make_settings(acl_user(server), db_url, tmp_path))
         span_ms = lockout_s * 1000 - 1000
+        # Locked out first (the creating client is another user): a stall between creating
+        # and locking out could otherwise let the first task run before the lockout.
+        locked_at = c.clock.now_ms()
+        admin.execute_command("ACL", "SETUSER", "ke", "off")
+        admin.execute_command("CLIENT", "KILL", "USER", "ke")
         keys = c.create_many(
             TaskRequest("Probe.record", (f"acl{i}",), ttl_ms=500 + span_ms * i // 9)
             for i in range(10)
         )
-        locked_at = c.clock.now_ms()
-        admin.execute_command("ACL", "SETUSER", "ke", "off")
-        admin.execute_command("CLIENT", "KILL", "USER", "ke")
         wait_until(lambda: running.listener.problem is not None, 10)
         wait_until(lambda: c.clock.now_ms() >= locked_at + lockout_s * 1000, lockout_s + 5)
         assert running.thread.is_alive()
