@@ -249,8 +249,7 @@ _RUN_COLUMNS = (
 """What a run writes and a create clears (NULL)."""
 _RESET_ON_CREATE = (
     "args", "status", "attempts", "retry_schedule_s", "due_at_ms", "created_at_ms",
-    "updated_at_ms", "started_at_ms", "finished_at_ms", "claimed_by", "lease_until_ms",
-    "last_error", "result",
+    "updated_at_ms", *_RUN_COLUMNS,
 )  # fmt: skip
 """What creating an existing key resets: it becomes a fresh pending task with a new due time.
 Its tag is kept unless the create gives one (`_kept_tag`)."""

@@ -91,16 +91,7 @@ def test_the_documented_escaping_is_keyexpirys_for_any_text(arg: str) -> None:
     assert escape_as_documented(arg) == escape_arg(arg)
 
 
-_CONSTANTS = {
-    "status": "'pending'",
-    "attempts": "0",
-    "started_at_ms": "NULL",
-    "finished_at_ms": "NULL",
-    "claimed_by": "NULL",
-    "lease_until_ms": "NULL",
-    "last_error": "NULL",
-    "result": "NULL",
-}
+_CONSTANTS = {"status": "'pending'", "attempts": "0"}
 """The values the page's create statement writes in; every other column is a `?`."""
 
 

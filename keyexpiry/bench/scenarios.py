@@ -156,8 +156,9 @@ def _bare_round_trips(client: Client) -> Iterator[Callable[[], None]]:
     driver: Any = raw.driver_connection
     pool = client.redis.connection_pool
     conn = pool.get_connection()
-    cursor = raw.cursor()
+    cursor = None
     try:
+        cursor = raw.cursor()
         if not sqlite:
             driver.autocommit(True)  # set back below: the connection goes back to the pool
         no_op = "SELECT 1" if sqlite else "DO 1"
@@ -170,7 +171,8 @@ def _bare_round_trips(client: Client) -> Iterator[Callable[[], None]]:
 
         yield bare
     finally:
-        cursor.close()
+        if cursor is not None:
+            cursor.close()
         if not sqlite:
             driver.autocommit(False)
         pool.release(conn)
