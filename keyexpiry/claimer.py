@@ -21,6 +21,9 @@ from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.runtime import Runtime
 from keyexpiry.threads import Backoff, ThreadErrors
 
+_WARNED_UNKNOWN_MAX = 1000
+"""Unknown classes and methods explained once each; past this many, only at debug level."""
+
 
 class Intake:
     """Keys waiting for their claim, each queued once however often it is seen (its event and
@@ -237,6 +240,10 @@ class Claimer:
         `user@bob`, what becomes of such a key: a real task waits for a listener that has its
         class; a key with no ledger row was never a task."""
         if str(exc) in self._warned_unknown:
+            return
+        if len(self._warned_unknown) >= _WARNED_UNKNOWN_MAX:
+            # Forged keys may name endless made-up classes: what is said once is kept bounded.
+            logger.bind(key=excerpt(key), attempt=0).debug("{}: ignored", exc)
             return
         self._warned_unknown.add(str(exc))
         log = logger.bind(key=key, attempt=0)

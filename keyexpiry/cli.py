@@ -626,7 +626,7 @@ def bench(
         None,
         "--scenario",
         help="steady, sparse, burst, throughput, create, listeners (the default: all six); "
-        "ledger, aio, cluster (only when named).",
+        "ledger, aio, cluster, memory (only when named).",
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
     backend: str = typer.Option("mariadb", "--backend", help="mariadb or sqlite."),

@@ -4,12 +4,11 @@ written, and the one condition that guards them (claimer, workers, watchdog and 
 
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.registry import TaskSpec
@@ -64,7 +63,6 @@ class DispatchStats:
     claims_lost: int = 0
     ignored: int = 0
     store_errors: int = 0
-    by_key: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 class InFlight:

@@ -139,11 +139,9 @@ class Recorder:
             log = logger.bind(key=o.key, attempt=0)
             if o.status is TaskStatus.DONE:
                 self._stats.done += 1
-                self._stats.by_key[o.key] += 1
                 log.debug("done")
             elif o.status is TaskStatus.DEAD:
                 self._stats.dead += 1
-                self._stats.by_key[o.key] += 1
             else:
                 self._stats.retried += 1
         if retries:

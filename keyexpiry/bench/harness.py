@@ -237,6 +237,8 @@ class ListenerProcess(MeasuredProcess):
     _quota: CpuQuota | None = field(default=None, init=False)
     http: str = ""
     """Serve /metrics here (`--http`) when set."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More environment for this listener (settings, the memory scenario's checkpoints)."""
     starts_path: Path = field(
         default_factory=lambda: Path(tempfile.mkstemp(prefix="ke-starts-", suffix=".txt")[1])
     )
@@ -249,6 +251,10 @@ class ListenerProcess(MeasuredProcess):
             for child in self._ps.children(recursive=True):  # under py-spy
                 self._quota.add(child.pid)
         return self
+
+    def measured(self) -> psutil.Process:
+        """The listener's own process (py-spy's child when it records the listener)."""
+        return next(iter(self._ps.children()), self._ps)
 
     def throttled_s(self) -> float:
         """Seconds the CPU quota held this listener back (0 without a quota)."""
@@ -282,6 +288,7 @@ class ListenerProcess(MeasuredProcess):
             "KEYEXPIRY_SENTINEL_COUNT": "0",
             "KEYEXPIRY_LOG_LEVEL": "WARNING",
             **({"KEYEXPIRY_HTTP": self.http} if self.http else {}),
+            **self.extra_env,
         }
 
     def wait_subscribed(self, client: Client, timeout_s: float = 20, *, listeners: int = 1) -> None:

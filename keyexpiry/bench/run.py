@@ -13,12 +13,14 @@ from keyexpiry.bench import aio as aio_bench
 from keyexpiry.bench import cluster as cluster_bench
 from keyexpiry.bench import ledger as ledger_bench
 from keyexpiry.bench import listeners as listeners_bench
+from keyexpiry.bench import memory as memory_bench
 from keyexpiry.bench import peers as peer_bench
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
 SCENARIOS = (
     "steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio", "cluster",
+    "memory",
 )  # fmt: skip
 DEFAULT_SCENARIOS = SCENARIOS[:6]
 """What `keyexpiry bench` runs unnamed: the others start servers of their own (a cluster) or fill
@@ -97,6 +99,10 @@ def run(
             res: dict[str, Any] = {}
             if name == "aio":
                 res = aio_bench.run(
+                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+                )
+            elif name == "memory":
+                res = memory_bench.run(
                     srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
                 )
             elif name == "listeners":
@@ -192,6 +198,9 @@ COLUMNS = (
     "redis_bytes_per_task",
     "creates_per_s",
     "max_tick_gap_ms",
+    "rss_after_warm_up_mb",
+    "rss_end_mb",
+    "rss_mb_per_100k",
 )
 """The figures in the table, in order; a column no row has a value for is left out."""
 
