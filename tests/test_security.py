@@ -186,7 +186,13 @@ class TlsRedisServer(RedisServer):
 
 
 def make_certs(directory: Path) -> dict[str, Path]:
-    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
+    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI.
+
+    Both carry what strict verification (Python 3.13's default `VERIFY_X509_STRICT`) requires:
+    the CA a critical basicConstraints and a keyUsage that allows signing certificates, the
+    server certificate its names in subjectAltName and the key that signed it
+    (authorityKeyIdentifier).
+    """
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("the openssl command is not installed")
@@ -198,10 +204,20 @@ def make_certs(directory: Path) -> dict[str, Path]:
         subprocess.run([openssl, *args], check=True, capture_output=True, timeout=30)
 
     run("req", "-x509", *ec, "-keyout", str(p["ca-key"]), "-out", str(p["ca"]), "-days", "1",
-        "-subj", "/CN=keyexpiry test CA")  # fmt: skip
+        "-subj", "/CN=keyexpiry test CA",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        "-addext", "subjectKeyIdentifier=hash")  # fmt: skip
     run("req", *ec, "-keyout", str(p["key"]), "-out", str(p["csr"]), "-subj", f"/CN={LOOPBACK}")
     ext = directory / "ext.cnf"
-    ext.write_text(f"subjectAltName=IP:{LOOPBACK},DNS:localhost\n")
+    ext.write_text(
+        f"subjectAltName=IP:{LOOPBACK},DNS:localhost\n"
+        "basicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth,clientAuth\n"
+        "subjectKeyIdentifier=hash\n"
+        "authorityKeyIdentifier=keyid,issuer\n"
+    )
     run("x509", "-req", "-in", str(p["csr"]), "-CA", str(p["ca"]), "-CAkey", str(p["ca-key"]),
         "-CAcreateserial", "-out", str(p["cert"]), "-days", "1", "-extfile", str(ext))  # fmt: skip
     return p

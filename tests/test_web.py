@@ -3,13 +3,14 @@ show, who may see them, and what actions do. The browser test is test_web_browse
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from starlette.applications import Starlette
@@ -166,7 +167,14 @@ def test_actions_need_the_csrf_token_and_act_like_the_client(
 
 
 def test_mounted_under_a_path_in_another_app(settings: Settings, client: Client) -> None:
-    outer = Starlette(routes=[Mount("/ops/tasks", create_app(settings, token=TOKEN))])
+    dashboard = create_app(settings, token=TOKEN)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        yield
+        dashboard.close()  # a mounted app's own lifespan is not run: its client would leak
+
+    outer = Starlette(routes=[Mount("/ops/tasks", dashboard)], lifespan=lifespan)
     client.create(record, "m", ttl_s=60)
     with TestClient(outer, headers=AUTH) as tc:
         page = tc.get("/ops/tasks/").text

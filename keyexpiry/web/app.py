@@ -73,8 +73,9 @@ def _ago(ms: int | None, now_ms: int) -> str:
 class Dashboard:
     """The pages, over one `Client` opened at start-up."""
 
-    def __init__(self, make_client: Callable[[], Client], csrf: Csrf) -> None:
+    def __init__(self, make_client: Callable[[], Client], csrf: Csrf, *, owns_client: bool) -> None:
         self._make_client = make_client
+        self._owns_client = owns_client
         self._client: Client | None = None
         self._client_lock = threading.Lock()
         self.csrf = csrf
@@ -96,8 +97,10 @@ class Dashboard:
             return self._client
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        """Close the client this dashboard opened (never one it was given)."""
+        with self._client_lock:
+            if self._client is not None and self._owns_client:
+                self._client.close()
             self._client = None
 
     def render(self, request: Request, name: str, code: int = 200, **ctx: Any) -> Response:
@@ -244,23 +247,22 @@ def create_app(
     Starlette/FastAPI app (`app.mount("/tasks", create_app(settings, token=...))`).
 
     With `token`, every request needs `Authorization: Bearer TOKEN` (or Basic, password TOKEN);
-    without one only loopback clients are served.
+    without one only loopback clients are served. Mounted, call the returned app's `close()`
+    from your app's shutdown: a mounted app's lifespan is not run, and the `Client` it opened
+    would keep its connections.
     """
-    made: list[Client] = []
-
-    def make_client() -> Client:
-        if client is not None:
-            return client
-        made.append(Client(settings or Settings.from_env()))
-        return made[-1]
-
-    dashboard = Dashboard(make_client, Csrf())
+    dashboard = Dashboard(
+        (lambda: client)
+        if client is not None
+        else (lambda: Client(settings or Settings.from_env())),
+        Csrf(),
+        owns_client=client is None,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         yield
-        if made:
-            dashboard.close()
+        dashboard.close()
 
     app = Starlette(
         routes=[
@@ -272,4 +274,4 @@ def create_app(
         ],
         lifespan=lifespan,
     )
-    return Guard(app, token=token)
+    return Guard(app, token=token, on_close=dashboard.close)

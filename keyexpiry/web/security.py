@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -50,9 +51,19 @@ def token_matches(header: str | None, token: str) -> bool:
 class Guard:
     """ASGI middleware: every request authenticated (or from loopback when there is no token)."""
 
-    def __init__(self, app: ASGIApp, *, token: str | None) -> None:
+    def __init__(
+        self, app: ASGIApp, *, token: str | None, on_close: Callable[[], None] | None = None
+    ) -> None:
         self.app = app
         self.token = token or None
+        self._on_close = on_close
+
+    def close(self) -> None:
+        """Release what the app holds (its ledger and Redis connections). Served on its own
+        the app does this at shutdown; mounted in another app, whose lifespan Starlette does not
+        pass on to it, call this from that app's shutdown."""
+        if self._on_close is not None:
+            self._on_close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
