@@ -2,7 +2,21 @@
 
 from keyexpiry.client import Client, TaskRequest
 from keyexpiry.context import TaskContext, current
-from keyexpiry.errors import DoNotRetry, KeyExpiryError, Retry
+from keyexpiry.errors import (
+    ArgumentError,
+    ConfigError,
+    DoNotRetry,
+    EmbeddedServerError,
+    KeyExpiryError,
+    KeyFormatError,
+    NotPendingError,
+    RedisConfigError,
+    RedisUnavailableError,
+    Retry,
+    StoreError,
+    TaskNotFoundError,
+    UnknownTaskError,
+)
 from keyexpiry.listener import Listener
 from keyexpiry.registry import Registry, default_registry, exposed, task
 from keyexpiry.rows import TaskRow, TaskStatus
@@ -10,20 +24,30 @@ from keyexpiry.scheduling import Did, IfExists, Scheduled
 from keyexpiry.settings import Settings
 
 __all__ = [
+    "ArgumentError",
     "Client",
+    "ConfigError",
     "Did",
     "DoNotRetry",
+    "EmbeddedServerError",
     "IfExists",
     "KeyExpiryError",
+    "KeyFormatError",
     "Listener",
+    "NotPendingError",
+    "RedisConfigError",
+    "RedisUnavailableError",
     "Registry",
     "Retry",
     "Scheduled",
     "Settings",
+    "StoreError",
     "TaskContext",
+    "TaskNotFoundError",
     "TaskRequest",
     "TaskRow",
     "TaskStatus",
+    "UnknownTaskError",
     "current",
     "default_registry",
     "exposed",

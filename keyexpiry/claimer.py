@@ -16,6 +16,7 @@ from keyexpiry import retries
 from keyexpiry.errors import KeyExpiryError, StoreError, UnknownTaskError
 from keyexpiry.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.keys import excerpt, parse_key
+from keyexpiry.log import SaidOnce
 from keyexpiry.registry import TaskSpec
 from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.runtime import Runtime
@@ -98,6 +99,7 @@ class Claimer:
         self._errors = errors
         self._seq = itertools.count(1)
         self._warned_unknown: set[str] = set()
+        self._refused_said = SaidOnce(limit=1_000)
         self.claiming = False
         self.stop = threading.Event()
 
@@ -232,7 +234,12 @@ class Claimer:
             return None
         except KeyExpiryError as exc:
             self._stats.ignored += 1
-            logger.bind(key=excerpt(key), attempt=0).warning("ignored key: {}", exc)
+            # Its row is re-armed by every overdue check and comes back: said once per key.
+            log = logger.bind(key=excerpt(key), attempt=0)
+            if self._refused_said.first(key):
+                log.warning("ignored key: {}", exc)
+            else:
+                log.debug("ignored key again: {}", exc)
             return None
 
     def _note_unknown(self, key: str, exc: UnknownTaskError) -> None:

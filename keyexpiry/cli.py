@@ -8,21 +8,37 @@ import datetime as dt
 import functools
 import gc
 import importlib
+import inspect
 import json
 import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from loguru import logger
+from typer.core import TyperArgument, TyperCommand
 
 from keyexpiry.errors import ConfigError, KeyExpiryError
+from keyexpiry.limits import MAX_LIST_ROWS
 from keyexpiry.log import configure_logging
-from keyexpiry.settings import Settings
+from keyexpiry.settings import Settings, redact
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _TaskUsage(TyperCommand):
+    """Usage `CLASS METHOD [ARG]...` for every command that names a task, bracketed whole where
+    an option (`--tag`, `--dead`) may stand in for it: one form, not typer's `{CLASS} {method}`
+    beside `[CLASS] [METHOD]`."""
+
+    def collect_usage_pieces(self, ctx: object) -> list[str]:
+        task = "CLASS METHOD [ARG]..."
+        named = [p for p in self.params if isinstance(p, TyperArgument) and p.nargs == 1]
+        required = all(p.required for p in named)
+        return [self.options_metavar or "[OPTIONS]", task if required else f"[{task}]"]
+
 
 app = typer.Typer(
     help="Delayed tasks on Redis keyspace notifications, with a SQL ledger.",
@@ -34,6 +50,18 @@ app = typer.Typer(
 TasksOpt = typer.Option(
     None, "--tasks", envvar="KEYEXPIRY_TASKS", help="Comma-separated modules that register tasks."
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = version("keyexpiry")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            from keyexpiry import __version__ as installed
+        typer.echo(f"keyexpiry {installed}")
+        raise typer.Exit()
 
 
 @app.callback()
@@ -54,6 +82,9 @@ def _global(
     log_level: str = typer.Option("INFO", envvar="KEYEXPIRY_LOG_LEVEL", help="Log level."),
     log_format: str = typer.Option(
         "text", envvar="KEYEXPIRY_LOG_FORMAT", help="text, or json: one object per line."
+    ),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version."
     ),
 ) -> None:
     try:
@@ -78,8 +109,7 @@ def _errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except KeyExpiryError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(code=1) from None
+            _error(kwargs.get("ctx"), str(exc))
         except Exception as exc:
             import redis
 
@@ -87,10 +117,23 @@ def _errors(func: F) -> F:
 
             if not isinstance(exc, redis.RedisError):
                 raise
-            typer.echo(f"error: {describe_redis_error(exc)}", err=True)
-            raise typer.Exit(code=1) from None
+            _error(kwargs.get("ctx"), describe_redis_error(exc))
 
     return wrapper  # type: ignore[return-value]
+
+
+def _error(ctx: typer.Context | None, message: str) -> NoReturn:
+    """`error: message` on stderr, exit 1; a credential of the URLs in use never shows, even
+    when a driver's message quotes the piece of a URL it failed on."""
+    typer.echo(f"error: {_redact(ctx, message)}", err=True)
+    raise typer.Exit(code=1) from None
+
+
+def _redact(ctx: typer.Context | None, text: str) -> str:
+    obj = (ctx.obj if ctx is not None else None) or {}
+    urls = [obj.get(name) for name in ("redis_url", "database_url")]
+    urls += [os.environ.get(f"KEYEXPIRY_{name}") for name in ("REDIS_URL", "DATABASE_URL")]
+    return redact(text, *urls)
 
 
 def _settings(ctx: typer.Context, **flags: Any) -> Settings:
@@ -145,11 +188,11 @@ def _key(client: Any, class_name: str, method: str, args: list[str]) -> str:
         return format_key(class_name, method, args, prefix=client.settings.key_prefix)
 
 
-def _local_time(ms: int, *, sep: str = " ", zone: bool = True) -> str:
-    """`ms` as local ISO time to the millisecond; any stored value prints, even out of range."""
+def _local_time(ms: int) -> str:
+    """`ms` as local ISO 8601 time to the millisecond with its UTC offset, the one format every
+    command prints (`2025-01-02T03:04:05.678+00:00`); any stored value prints, even out of range."""
     try:
-        stamp = dt.datetime.fromtimestamp(ms / 1000).astimezone()
-        return (stamp if zone else stamp.replace(tzinfo=None)).isoformat(sep, "milliseconds")
+        return dt.datetime.fromtimestamp(ms / 1000).astimezone().isoformat("T", "milliseconds")
     except (ValueError, OverflowError, OSError):
         return f"{ms} ms (not a date)"
 
@@ -202,13 +245,13 @@ def listen(
     listener.run()
 
 
-@app.command()
+@app.command(cls=_TaskUsage)
 @_errors
 def create(
     ctx: typer.Context,
     class_name: str = typer.Argument(..., metavar="CLASS"),
-    method: str = typer.Argument(...),
-    args: list[str] = typer.Argument(None, metavar="[ARG]..."),
+    method: str = typer.Argument(..., metavar="METHOD"),
+    args: list[str] = typer.Argument(None, metavar="ARG"),
     ttl: float = typer.Option(None, "--ttl", help="Run after this many seconds."),
     ttl_ms: int = typer.Option(None, "--ttl-ms", help="Run after this many milliseconds."),
     at: str = typer.Option(None, "--at", help="Run at an ISO 8601 time (naive = local time)."),
@@ -226,13 +269,13 @@ def create(
     typer.echo(key)
 
 
-@app.command()
+@app.command(cls=_TaskUsage)
 @_errors
 def cancel(
     ctx: typer.Context,
     class_name: str = typer.Argument(None, metavar="CLASS"),
     method: str = typer.Argument(None, metavar="METHOD"),
-    args: list[str] = typer.Argument(None, metavar="[ARG]..."),
+    args: list[str] = typer.Argument(None, metavar="ARG"),
     tag: str = typer.Option(None, "--tag", help="Instead of a task: every pending one so tagged."),
     tasks: str = TasksOpt,
 ) -> None:
@@ -289,13 +332,13 @@ def _since(value: str | None) -> dt.datetime | None:
     return _when(text, "--since")
 
 
-@app.command()
+@app.command(cls=_TaskUsage)
 @_errors
 def retry(
     ctx: typer.Context,
-    class_name: str = typer.Argument(None, metavar="[CLASS"),
+    class_name: str = typer.Argument(None, metavar="CLASS"),
     method: str = typer.Argument(None, metavar="METHOD"),
-    args: list[str] = typer.Argument(None, metavar="[ARG]...]"),
+    args: list[str] = typer.Argument(None, metavar="ARG"),
     dead: bool = typer.Option(False, "--dead", help="Retry every dead task (see --class)."),
     only_class: str = typer.Option(None, "--class", help="With --dead: only this class."),
     since: str = typer.Option(
@@ -355,11 +398,11 @@ def web(
     """Serve the dashboard (set KEYEXPIRY_WEB_TOKEN to require a token and bind beyond loopback)."""
     import uvicorn
 
-    from keyexpiry.endpoints import parse_bind
+    from keyexpiry.settings import parse_bind
     from keyexpiry.web import create_app
     from keyexpiry.web.security import is_loopback
 
-    host, port = parse_bind(bind)
+    host, port = parse_bind(bind, "--bind")
     token = os.environ.get("KEYEXPIRY_WEB_TOKEN") or None
     if token is None:
         if not is_loopback(host):
@@ -415,7 +458,7 @@ def listeners(
             }
             typer.echo(json.dumps(data))
         else:
-            started = _local_time(row.started_at_ms, zone=False)
+            started = _local_time(row.started_at_ms)
             typer.echo(
                 f"{state:<8} {row.id:<40} {row.host:<20} started {started}  "
                 f"heartbeat {age_ms / 1000:.1f} s ago  running {row.running}  "
@@ -476,13 +519,13 @@ def prune(
     typer.echo(f"deleted {report.total} row(s): {report}")
 
 
-@app.command()
+@app.command(cls=_TaskUsage)
 @_errors
 def show(
     ctx: typer.Context,
     class_name: str = typer.Argument(..., metavar="CLASS"),
-    method: str = typer.Argument(...),
-    args: list[str] = typer.Argument(None, metavar="[ARG]..."),
+    method: str = typer.Argument(..., metavar="METHOD"),
+    args: list[str] = typer.Argument(None, metavar="ARG"),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
     tasks: str = TasksOpt,
 ) -> None:
@@ -500,12 +543,21 @@ def show(
     if as_json:
         typer.echo(json.dumps(data))
         return
+    from keyexpiry.printable import printable, printable_lines
+
     for name, value in data.items():
+        if name == "problem" and value is None:
+            continue  # a sound row; a malformed one says what is wrong with it
         if name.endswith("_at") and value is not None:
-            value = _local_time(round(value * 1000), sep="T")
+            value = _local_time(round(value * 1000))
         elif name == "result" and value is not None:
             value = json.dumps(value, ensure_ascii=False)
-        typer.echo(f"{name:>12}: {value}")
+        # Text from outside (a handler's error, a tag, a row written by hand): control
+        # characters escaped; an error's traceback keeps its lines, indented under its label,
+        # so none of them can pass for a field.
+        multiline = name == "last_error" and value is not None
+        shown = printable_lines(value, " " * 14) if multiline else printable(str(value))
+        typer.echo(f"{name:>12}: {shown}")
 
 
 @app.command("list")
@@ -513,11 +565,12 @@ def show(
 def list_tasks(
     ctx: typer.Context,
     status: str = typer.Option(None, "--status", help="pending/running/done/dead/cancelled."),
-    limit: int = typer.Option(50, "--limit", min=1),
+    limit: int = typer.Option(50, "--limit", min=1, max=MAX_LIST_ROWS),
     tag: str = typer.Option(None, "--tag", help="Only tasks with this tag."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
     """List tasks by due time."""
+    from keyexpiry.printable import printable
     from keyexpiry.runtime import open_store
     from keyexpiry.store import TaskStatus
     from keyexpiry.tags import check_tag
@@ -538,13 +591,17 @@ def list_tasks(
             rows = store.list_tasks(wanted, limit, tag=wanted_tag)
     finally:
         store.engine.dispose()
+    if rows and not as_json:
+        typer.echo(f"{'STATUS':<9} {'TRIES':>5}  {'DUE':<29}  KEY  [TAG]")
     for row in rows:
         if as_json:
             typer.echo(json.dumps(row.to_json()))
         else:
-            due = _local_time(row.due_at_ms, zone=False)
+            due = "not a time" if "due_at_ms" in row.unreadable else _local_time(row.due_at_ms)
             tagged = f"  [{row.tag}]" if row.tag is not None else ""
-            typer.echo(f"{row.status:<9} {row.attempts:>3}  {due:<23}  {row.key}{tagged}")
+            flagged = f"  MALFORMED: {row.problem}" if row.problem else ""
+            line = f"{row.status:<9} {row.attempts:>5}  {due:<29}  {row.key}{tagged}{flagged}"
+            typer.echo(printable(line))  # one line, whatever a tag or error holds
 
 
 @app.command()
@@ -602,7 +659,7 @@ def doctor(
     with _runtime(_settings(ctx)) as rt:
         checks = run_checks(rt, fix=fix)
     for c in checks:
-        typer.echo(f"[{c.status:>4}] {c.name:<13} {c.detail}")
+        typer.echo(f"[{c.status:>4}] {c.name:<13} {_redact(ctx, c.detail)}")
     if any(c.status == "fail" for c in checks):
         raise typer.Exit(code=1)
 
@@ -689,6 +746,18 @@ def embedded_stop(ctx: typer.Context) -> None:
     if (state_dir := _embedded_dir(ctx)) is not None:
         stopped = stop_embedded_redis(state_dir)
         typer.echo(f"embedded redis-server {'stopped' if stopped else 'was not running'}")
+
+
+def _one_line_help() -> None:
+    # Typer shows a docstring's hard line wraps in the command list: each command's summary
+    # (its first paragraph) as one line, wrapped to the terminal by typer itself.
+    for info in app.registered_commands:
+        doc = inspect.getdoc(info.callback) if info.callback is not None else None
+        if info.short_help is None and doc:
+            info.short_help = " ".join(doc.split("\n\n")[0].split())
+
+
+_one_line_help()
 
 
 def main() -> None:

@@ -6,14 +6,19 @@ import builtins
 import datetime as dt
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from sqlalchemy import Connection
 
 from keyexpiry import limits
-from keyexpiry.errors import ArgumentError, RedisUnavailableError, UnknownTaskError
-from keyexpiry.keys import braces_unescaped, clip, format_key
+from keyexpiry.errors import (
+    ArgumentError,
+    KeyExpiryError,
+    RedisUnavailableError,
+    UnknownTaskError,
+)
+from keyexpiry.keys import braces_unescaped, clip, format_key, shorten
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
 from keyexpiry.scheduling import Did, IfExists, Rule, Scheduled
@@ -21,6 +26,30 @@ from keyexpiry.settings import Settings
 from keyexpiry.store import NewTask, Store, TaskRow, TaskStatus
 from keyexpiry.tags import check_tag
 from keyexpiry.transactions import Tx, after_commit, check_same_database, connection_of
+
+Status = TaskStatus | Literal["pending", "running", "done", "dead", "cancelled"]
+"""A status as callers write it: `TaskStatus.DONE` or `"done"`."""
+_STATUSES: dict[object, TaskStatus] = {s.value: s for s in TaskStatus}
+
+
+def task_status(value: object, error: type[KeyExpiryError]) -> TaskStatus | None:
+    """The status `value` names (None: any); `error` naming the allowed ones for anything else."""
+    if value is None or isinstance(value, TaskStatus):
+        return value
+    try:
+        return _STATUSES[value]
+    except (KeyError, TypeError):
+        allowed = ", ".join(repr(s.value) for s in TaskStatus)
+        raise error(f"status must be one of {allowed}, got {shorten(repr(value), 80)}") from None
+
+
+def list_limit(value: object, error: type[KeyExpiryError]) -> int:
+    """How many rows a list may return: a whole number from 1 to `limits.MAX_LIST_ROWS`."""
+    limits.number(value, "limit", low=1, high=limits.MAX_LIST_ROWS, error=error)
+    if not isinstance(value, int):
+        raise error(f"limit must be a whole number, got {shorten(repr(value), 80)}")
+    return value
+
 
 Target = str | Callable[..., Any]
 """A task method: the exposed function itself (`OrderTimeout.close_unpaid`) or `"Class.method"`."""
@@ -307,13 +336,16 @@ class Client:
         return None if ms is None else ms / 1000.0
 
     def list_tasks(
-        self, status: TaskStatus | None = None, limit: int = 50, *, tag: str | None = None
+        self, status: Status | None = None, limit: int = 50, *, tag: str | None = None
     ) -> list[TaskRow]:
-        """Ledger rows by due time: of one status, of one tag, or both."""
-        return self.store.list_tasks(status, limit, tag=check_tag(tag, ArgumentError))
+        """Ledger rows by due time: of one status (`TaskStatus` or its name, `"done"`), of one
+        tag, or both; at most `limit` (1 to `limits.MAX_LIST_ROWS`)."""
+        wanted = task_status(status, ArgumentError)
+        count = list_limit(limit, ArgumentError)
+        return self.store.list_tasks(wanted, count, tag=check_tag(tag, ArgumentError))
 
     def list(
-        self, *, tag: str | None = None, status: TaskStatus | None = None, limit: int = 50
+        self, *, tag: str | None = None, status: Status | None = None, limit: int = 50
     ) -> builtins.list[TaskRow]:
         """Ledger rows by due time (`list_tasks` by keyword): `ke.list(tag="order:218")`."""
         return self.list_tasks(status, limit, tag=tag)

@@ -21,6 +21,13 @@ MAX_DELAY_S = 365 * DAY_S
 """Longest retry delay or handler timeout: one year."""
 MAX_RETRIES = 100
 """Longest retry schedule (each entry is one more attempt)."""
+MIN_INTERVAL_S = 0.05
+"""Shortest interval of a loop setting (heartbeat, lease check, canary, reconnect, prune, ...):
+shorter ones only burn CPU (1e-300 made a listener spin at 100 %); the tests' fastest is this."""
+MIN_TIMEOUT_S = 0.01
+"""Shortest handler timeout: anything shorter fails every run before it starts."""
+MAX_LIST_ROWS = 100_000
+"""Most rows one `list` returns (`Client.list_tasks`, `keyexpiry list --limit`)."""
 MIN_DUE_MS = 0
 """Earliest due time accepted (1970-01-01 UTC): anything earlier is due now anyway."""
 

@@ -231,7 +231,20 @@ class Listener:
             "evicted": self.evicted,
             "done": self.dispatcher.stats.done,
             "thread_errors": self.thread_errors.count,
+            "malformed_rows": self.reconciler.malformed.count,
+            "failing": self.failing(),
         }
+
+    def failing(self) -> list[str]:
+        """The loops that keep failing (empty while every one does its job): the maintenance
+        thread's reconciliation or self-check failing `FAILING_AFTER` times in a row, and any
+        thread raising unexpectedly again and again. Threads that live on are not enough:
+        readiness (`/readyz`) is false while this is not empty."""
+        repeating = [
+            f"thread keyexpiry-{name} keeps raising unexpected errors (see the log)"
+            for name in self.thread_errors.repeating()
+        ]
+        return self.maintenance.failing() + repeating
 
     # --- what the parts do, by their old names ------------------------------------------------
     def request_reconcile(self, reason: str) -> None:

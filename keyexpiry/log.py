@@ -3,22 +3,43 @@
 from __future__ import annotations
 
 import sys
+import traceback
+from collections.abc import Hashable
 from typing import Any
 
 from loguru import logger
 
 from keyexpiry.errors import ConfigError
+from keyexpiry.printable import printable, printable_lines
 
 
 def _format(record: Any) -> str:
+    """The text log's line: the message, key and traceback with their control characters
+    escaped (`keyexpiry.printable`), since they carry text from outside (a handler's error,
+    a tag, a forged key): an ESC or BEL would reach the reader's terminal, a newline would
+    let that text pass for a log line of its own. The message is one line; a traceback's
+    lines are all indented, so only a real log line starts at the left edge.
+
+    The escaped texts go into the record's `extra` (fresh for each record), as loguru's own
+    documentation does for a computed field: loguru parses colour tags in the format itself,
+    so text from outside is only ever substituted into it."""
     extra = record["extra"]
     task = ""
     if "key" in extra:
-        task = " [{extra[key]} #{extra[attempt]}]"
+        extra["printable_key"] = printable(str(extra["key"]))
+        task = " [{extra[printable_key]} #{extra[attempt]}]"
+    extra["printable_message"] = printable(record["message"])
+    tail = ""
+    if record["exception"] is not None:
+        kind, value, tb = record["exception"]
+        text = "".join(traceback.format_exception(kind, value, tb)).rstrip("\n")
+        extra["printable_exception"] = "  " + printable_lines(text, "  ") + "\n"
+        tail = "{extra[printable_exception]}"
     return (
         "<green>{time:YYYY-MM-DD HH:mm:ss.SSS}</green> <level>{level: <7}</level>"
         + task
-        + " {message}\n{exception}"
+        + " {extra[printable_message]}\n"
+        + tail
     )
 
 
@@ -35,6 +56,11 @@ def configure_logging(
     """
     if log_format not in LOG_FORMATS:
         raise ConfigError(f"log format {log_format!r}: use one of {', '.join(LOG_FORMATS)}")
+    try:
+        logger.level(level.upper())
+    except (ValueError, TypeError, AttributeError):
+        levels = "TRACE, DEBUG, INFO, SUCCESS, WARNING, ERROR, CRITICAL"
+        raise ConfigError(f"log level {level!r}: use one of {levels}") from None
     logger.remove()
     json = log_format == "json"
     logger.add(
@@ -52,3 +78,22 @@ def _write_stderr(message: str) -> None:
     # Looked up at each write: whoever swapped sys.stderr (a test runner, a daemon wrapper) may
     # have closed the stream that was current at configuration time.
     sys.stderr.write(message)
+
+
+class SaidOnce:
+    """What was already said, to say a recurring thing once (a row re-armed every lease check,
+    a refused key expiring again): remembers up to `limit` items, forgetting the oldest first,
+    so that a flood of distinct ones costs bounded memory (and, past it, a line again)."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self._seen: dict[Hashable, None] = {}
+        self._limit = limit
+
+    def first(self, item: Hashable) -> bool:
+        """True the first time `item` is seen (then remembered), False after."""
+        if item in self._seen:
+            return False
+        self._seen[item] = None
+        if len(self._seen) > self._limit:
+            del self._seen[next(iter(self._seen))]
+        return True

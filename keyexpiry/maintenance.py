@@ -30,6 +30,10 @@ _WALK_BUSY_WAIT_S = 0.02
 """While keys wait for the claimer, the walk waits in steps of this: due work goes first."""
 _EXPECTED = (StoreError, redis.RedisError, OSError)
 """Outages: logged in one line and retried. Anything else is a bug: traceback and count."""
+FAILING_AFTER = 3
+"""Failures in a row of the reconciliation or of the self-check that make the listener not
+ready: each is retried (with backoff, or at the next second), but one that fails every time,
+whatever the reason, means missed events are no longer repaired."""
 
 
 class Maintenance:
@@ -66,6 +70,26 @@ class Maintenance:
         self.pruned = 0
         """Finished rows this listener deleted (retention)."""
         self._last_prune_s = monotonic_s()
+        self._failures: dict[str, tuple[int, str]] = {}
+        """Failures in a row of each duty ("reconciliation", "self-check") and the last one."""
+
+    def failing(self) -> list[str]:
+        """Why the loop is not doing its job: each duty that failed `FAILING_AFTER` times in
+        a row, with its last error (readiness reports these)."""
+        return [
+            f"{duty} failed {n} times in a row (last: {error})"
+            # A copy (atomic): the HTTP thread asks while this one updates.
+            for duty, (n, error) in sorted(self._failures.copy().items())
+            if n >= FAILING_AFTER
+        ]
+
+    def _failed_again(self, duty: str, exc: BaseException) -> None:
+        n, _ = self._failures.get(duty, (0, ""))
+        error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        self._failures[duty] = (n + 1, f"{type(exc).__name__}: {error}")
+
+    def _worked(self, duty: str) -> None:
+        self._failures.pop(duty, None)
 
     def request(self, reason: str) -> None:
         """Run a reconciliation soon (requests made meanwhile are coalesced)."""
@@ -124,6 +148,7 @@ class Maintenance:
                 walk = self._reconciler.start(page_rows=_WALK_PAGE_ROWS)
                 self._health.regenerate_sentinels_if_needed()
                 backoff.reset()
+                self._worked("reconciliation")
             except redis.ReadOnlyError as exc:
                 # Overdue rows were handed to the claimer before the failing write; the
                 # reconnect once Redis is a master again reconciles (and re-arms) in full.
@@ -148,6 +173,7 @@ class Maintenance:
         """Log a failed reconciliation (a traceback only for the unexpected) and return how
         long to wait before trying again."""
         wait_s = backoff.next_s()
+        self._failed_again("reconciliation", exc)
         if isinstance(exc, _EXPECTED):
             logger.error("reconciliation failed ({}); retrying in {:.1f} s", exc, wait_s)
         else:
@@ -176,6 +202,7 @@ class Maintenance:
             self._wanted.wait(self._failed(exc, backoff))
             return
         backoff.reset()
+        self._worked("reconciliation")
         if more:
             # A request (or stop) ends the rest early: its urgent part must not wait.
             self._wanted.wait((monotonic_s() - began_s) * _WALK_PACE)
@@ -213,9 +240,11 @@ class Maintenance:
         try:
             self._self_check(monotonic_s())
             self._prune_if_due(monotonic_s())
+            self._worked("self-check")
         except redis.ReadOnlyError as exc:
             self._health.read_only(exc)
         except Exception as exc:
+            self._failed_again("self-check", exc)
             if not isinstance(exc, _EXPECTED):
                 self._errors.add("reconcile")
                 logger.opt(exception=exc).error("self-check failed unexpectedly")

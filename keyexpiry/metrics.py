@@ -48,6 +48,7 @@ NAMES = (
     "keyexpiry_events_ignored_total",
     "keyexpiry_reconcile_rearmed_total",
     "keyexpiry_reconcile_requeued_total",
+    "keyexpiry_overdue_repeats_total",
     "keyexpiry_reconciliations_total",
     "keyexpiry_reconnects_total",
     "keyexpiry_thread_errors_total",
@@ -327,6 +328,7 @@ class ListenerCollector(Collector):
         events.add_metric(["expired"], lst.events)
         events.add_metric(["evicted"], lst.evicted)
         events.add_metric(["canary"], lst.canaries_seen)
+        events.add_metric(["sentinel"], lst.router.sentinels)
         yield events
         ignored = CounterMetricFamily(
             "keyexpiry_events_ignored",
@@ -366,6 +368,12 @@ class ListenerCollector(Collector):
             "keyexpiry_reconcile_requeued",
             "Tasks requeued from the ledger: overdue ones run directly, expired leases.",
             rec.requeued_total,
+        )
+        yield _counter(
+            "keyexpiry_overdue_repeats",
+            "Overdue tasks repaired again at a due time already reported (logged once each): "
+            "rows no listener runs, such as an unregistered class or a method not exposed.",
+            rec.overdue_repeats_total,
         )
         yield _counter(
             "keyexpiry_reconciliations", "Full reconciliation passes.", lst.reconciles_done

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from loguru import logger
 
 from keyexpiry import retries
 from keyexpiry.errors import UnknownTaskError
 from keyexpiry.keys import excerpt, task_class_of
-from keyexpiry.rows import TaskRow, TaskStatus
+from keyexpiry.limits import MAX_HORIZON_S, MIN_DUE_MS
+from keyexpiry.log import SaidOnce
+from keyexpiry.rows import MalformedRows, TaskRow, TaskStatus
 from keyexpiry.runtime import Runtime
 from keyexpiry.scans import KEYS_START, PendingKey
 
@@ -40,12 +43,17 @@ class ReconcileReport:
     rearmed: int = 0
     lease_expired: int = 0
     dead: int = 0
+    malformed: int = 0
+    """Rows keyexpiry would never have written, found (each is logged once, with its key)."""
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"checked {self.checked} pending, {self.overdue} overdue, {self.rearmed} key(s) "
             f"re-armed, {self.lease_expired} expired lease(s) requeued, {self.dead} dead"
         )
+        if self.malformed:
+            text += f", {self.malformed} malformed row(s) (see the log)"
+        return text
 
 
 class Reconciler:
@@ -74,6 +82,12 @@ class Reconciler:
         """Keys re-armed from the ledger since start (for metrics)."""
         self.requeued_total = 0
         """Tasks handed to the claimer or back to pending from the ledger since start."""
+        self.malformed = MalformedRows()
+        """Malformed rows met (each said once): skipped, never a failed pass."""
+        self.overdue_repeats_total = 0
+        """Overdue rows repaired again at the due time they were already reported for (for
+        metrics): rows no listener runs, re-armed every lease check, reported once each."""
+        self._reported = SaidOnce()
 
     def run(
         self, *, dry_run: bool = False, progress: Callable[[int, int], None] | None = None
@@ -95,11 +109,19 @@ class Reconciler:
         has to be back before the row falls due."""
         report = ReconcileReport()
         self._requeue_expired_leases(report, dry_run)
+        self._report_unknown_statuses(report)
         upto_ms = self.clock.now_ms() + DUE_FIRST_MS
         urgent = PendingWalk(self, report, dry_run=dry_run, upto_ms=upto_ms)
         while urgent.step():
             pass
         return PendingWalk(self, report, dry_run=dry_run, after=urgent.after, page_rows=page_rows)
+
+    def _report_unknown_statuses(self, report: ReconcileReport) -> None:
+        """Rows with a status outside `TaskStatus`: no other query reads them, so they would
+        sit unseen for ever. One query of ranges that are empty in a sound ledger."""
+        for row in self.store.unknown_status_rows():
+            report.malformed += 1
+            self.malformed.report(row.key, row.problem or "", "left alone", attempt=row.attempts)
 
     def _max_attempts(self, row: TaskRow) -> int:
         options = None
@@ -135,6 +157,10 @@ class Reconciler:
         if not rows:
             return 0
         keys = [k for k, _ in rows]
+        # A row no listener can run (its class registered nowhere, a method not exposed) is
+        # overdue again at every check: one line per row and due time, then only the counter.
+        fresh = [k for k, due in rows if self._reported.first((k, due))]
+        self.overdue_repeats_total += len(rows) - len(fresh)
         if self.submit is not None and not events_arriving:
             self.submit(keys)
             self.requeued_total += len(keys)
@@ -142,12 +168,15 @@ class Reconciler:
         else:
             self.rt.arm(rows, now_ms)
             self.rearmed_total += len(rows)
-            action = f"re-armed; {self._overdue_cause(keys)}"
-        shown = ", ".join(excerpt(k, 60) for k in keys[:3])
-        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            action = f"re-armed; {self._overdue_cause(fresh or keys)}"
+        if not fresh:
+            logger.debug("{} overdue task(s) repaired again (reported before)", len(rows))
+            return len(rows)
+        shown = ", ".join(excerpt(k, 60) for k in fresh[:3])
+        more = f" and {len(fresh) - 3} more" if len(fresh) > 3 else ""
         logger.warning(
             "{} pending task(s) overdue by more than {} ms ({}{}): {}",
-            len(rows),
+            len(fresh),
             grace_ms,
             shown,
             more,
@@ -170,7 +199,7 @@ class Reconciler:
             found += [(p.key, p.due_at_ms) for p in page if keep(p.key)]
             if len(page) < limit or len(found) >= limit:
                 break
-            after = (page[-1].due_at_ms, page[-1].key)
+            after = page[-1].position
         return found[:limit]
 
     def _overdue_cause(self, keys: list[str]) -> str:
@@ -233,7 +262,12 @@ class Reconciler:
             report.lease_expired += 1
             if dry_run:
                 continue
-            error = f"{why}: listener {row.claimed_by} stopped before recording an outcome"
+            if lease_expired and row.lease_until_ms is None:
+                # Written without a lease (or with one that is not a time), by something other
+                # than a claim: nothing would ever end the run; its lease counts as run out.
+                error = f"running with no lease (claimed by {row.claimed_by})"
+            else:
+                error = f"{why}: listener {row.claimed_by} stopped before recording an outcome"
             if row.attempts >= self._max_attempts(row):
                 if self.store.requeue_lost(
                     row, status=TaskStatus.DEAD, error=error, now_ms=now_ms,
@@ -257,6 +291,7 @@ class Reconciler:
 
     def _repair_page(self, page: list[PendingKey], report: ReconcileReport, dry_run: bool) -> None:
         now_ms = self.clock.now_ms()
+        page = self._sound(page, report, now_ms)
         overdue = [r for r in page if r.due_at_ms <= now_ms]
         future = [r for r in page if r.due_at_ms > now_ms]
         report.overdue += len(overdue)
@@ -286,6 +321,33 @@ class Reconciler:
         for row in to_arm:
             logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")
 
+    def _sound(
+        self, page: list[PendingKey], report: ReconcileReport, now_ms: int
+    ) -> list[PendingKey]:
+        """The rows of `page` that can be repaired; the others are reported (once each) and
+        skipped, so one row written outside keyexpiry never fails every pass after it.
+
+        A due time before 1970 is one keyexpiry never writes (`MIN_DUE_MS`), but it is due
+        now as much as any overdue row: reported, and run like one. A due time past the
+        horizon is armed as stored (Redis takes it), and reported: it will not run.
+        """
+        sound: list[PendingKey] = []
+        horizon_ms = now_ms + MAX_HORIZON_S * 1000
+        for row in page:
+            if row.problem is not None:
+                report.malformed += 1
+                self.malformed.report(row.key, row.problem, "skipped", attempt=row.attempts)
+                continue
+            if not MIN_DUE_MS <= row.due_at_ms <= horizon_ms:
+                report.malformed += 1
+                early = row.due_at_ms < MIN_DUE_MS
+                when = "before 1970" if early else "past the 100-year horizon"
+                fate = "run as due now" if early else "left as it is"
+                problem = f"its due time {row.due_at_ms} ms is {when}"
+                self.malformed.report(row.key, problem, fate, attempt=row.attempts)
+            sound.append(row)
+        return sound
+
 
 class PendingWalk:
     """A keyset walk over pending keys in due order, after `after` = (due_at_ms, task_key) and
@@ -297,7 +359,7 @@ class PendingWalk:
         report: ReconcileReport,
         *,
         dry_run: bool,
-        after: tuple[int, str] = KEYS_START,
+        after: tuple[Any, str] = KEYS_START,
         upto_ms: int | None = None,
         page_rows: int = PAGE_ROWS,
     ) -> None:
@@ -319,7 +381,7 @@ class PendingWalk:
         )
         if page:
             self._reconciler._repair_page(page, self.report, self._dry_run)
-            self.after = (page[-1].due_at_ms, page[-1].key)
+            self.after = page[-1].position
             self.report.checked += len(page)
         self.done = len(page) < self._page_rows
         return not self.done

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from loguru import logger
 
 from keyexpiry.arming import WAKE_MAX_BYTES, parse_wake
+from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import KeyFormatError
 from keyexpiry.health import Health
 from keyexpiry.keys import (
@@ -29,7 +30,11 @@ from keyexpiry.keys import (
     task_class_of,
     wake_channel,
 )
+from keyexpiry.log import SaidOnce
 from keyexpiry.runtime import Runtime
+
+SENTINEL_LINE_EVERY_S = 60.0
+"""At most one INFO line a minute for sentinel expiries (each is counted: `Router.sentinels`)."""
 
 
 class Route(Enum):
@@ -190,6 +195,10 @@ class Router:
         """Expired keys of other applications, dropped without a word."""
         self.refused = 0
         """Keys that claimed to be tasks but cannot be (logged once each)."""
+        self._refused_said = SaidOnce(limit=1_000)
+        self.sentinels = 0
+        """Sentinel expiries heard (a forged publish counts too)."""
+        self._sentinel_said_s = -SENTINEL_LINE_EVERY_S
         self.evicted = 0
         """Task keys Redis evicted (maxmemory) that were handed back to the ledger."""
         self.wakes_refused = 0
@@ -213,14 +222,28 @@ class Router:
             self.foreign += 1
         elif route is Route.REFUSED:
             self.refused += 1
-            logger.bind(key=excerpt(data), attempt=0).warning("ignored key: {}", verdict.reason)
+            # Its row (if any) is re-armed by every overdue check and expires again: say it once.
+            log = logger.bind(key=excerpt(data), attempt=0)
+            # Remembered by its first bytes: a refused key may be 33 MB long.
+            if self._refused_said.first(data[:MAX_KEY_BYTES]):
+                log.warning("ignored key: {}", verdict.reason)
+            else:
+                log.debug("ignored key again: {}", verdict.reason)
         elif route is Route.CANARY:
             self._health.canary_arrived(expired=True, key=data)
         elif route is Route.SENTINEL:
             # Every listener hears it; one of them reconciles (its walk re-arms lost keys of
             # every share, and each listener's own overdue check runs its overdue rows).
+            self.sentinels += 1
             if self._leads(data):
-                logger.info("sentinel {} fired: reconciling", excerpt(data))
+                # A real one fires every sentinel_interval_s; anyone may publish the event, so
+                # at most one line a minute (the reconciliations it asks for are coalesced).
+                now_s = monotonic_s()
+                if now_s - self._sentinel_said_s >= SENTINEL_LINE_EVERY_S:
+                    self._sentinel_said_s = now_s
+                    logger.info("sentinel {} fired: reconciling", excerpt(data))
+                else:
+                    logger.debug("sentinel {} fired: reconciling", excerpt(data))
                 self._request_reconcile("sentinel")
             else:
                 logger.debug("sentinel {} fired: another listener reconciles", excerpt(data))

@@ -4,8 +4,11 @@ record; and the one function that reads a database row, whatever was written int
 from __future__ import annotations
 
 import json
+import math
 import re
+import threading
 from dataclasses import dataclass
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
@@ -13,7 +16,9 @@ from loguru import logger
 
 from keyexpiry import limits
 from keyexpiry.errors import StoreError
-from keyexpiry.keys import shorten
+from keyexpiry.keys import SEPARATOR, clip, shorten
+from keyexpiry.log import SaidOnce
+from keyexpiry.printable import printable
 
 
 class TaskStatus(StrEnum):
@@ -33,9 +38,13 @@ class TaskRow:
     id: int
     key: str
     class_name: str
+    """The class the key names (the key is the task's identity)."""
     method: str
+    """The method the key names."""
     args: tuple[str, ...]
-    status: TaskStatus
+    status: TaskStatus | str
+    """A `TaskStatus`; a status outside it (a row written outside keyexpiry) is kept as the
+    stored text, and `problem` says so: no query of keyexpiry's ever picks such a row up."""
     attempts: int
     retry_schedule_s: tuple[float, ...] | None
     due_at_ms: int
@@ -47,11 +56,17 @@ class TaskRow:
     lease_until_ms: int | None
     last_error: str | None
     problem: str | None = None
-    """Why the row cannot run as stored (set only for rows written outside keyexpiry)."""
+    """Why the row is malformed, None for a sound one: what in it keyexpiry would never have
+    written (a row written by another program, a bug, or a hand edit). A malformed row is
+    shown and reported, never run: claimed, it is recorded dead naming this."""
     tag: str | None = None
     """The task's business key (`create(..., tag=)`), or None."""
     result_json: str | None = None
     """The handler's return value as stored: JSON text, or None (see `result`)."""
+    unreadable: frozenset[str] = frozenset()
+    """Columns whose stored value could not be read as what they hold (text in a time): the
+    field holds a stand-in (`UNREADABLE_MS` for a time, 0 for attempts), `to_json` gives None,
+    and `problem` quotes what was stored."""
 
     @property
     def result(self) -> Any:
@@ -68,8 +83,10 @@ class TaskRow:
     def to_json(self) -> dict[str, Any]:
         """The `list --json` / `show --json` object: times as epoch seconds (float)."""
 
-        def sec(ms: int | None) -> float | None:
-            return None if ms is None else ms / 1000.0
+        unreadable = self.unreadable
+
+        def sec(column: str, ms: int | None) -> float | None:
+            return None if ms is None or column in unreadable else ms / 1000.0
 
         return {
             "key": self.key,
@@ -77,15 +94,16 @@ class TaskRow:
             "method": self.method,
             "args": list(self.args),
             "status": str(self.status),
-            "attempts": self.attempts,
-            "due_at": sec(self.due_at_ms),
-            "created_at": sec(self.created_at_ms),
-            "started_at": sec(self.started_at_ms),
-            "finished_at": sec(self.finished_at_ms),
+            "attempts": None if "attempts" in unreadable else self.attempts,
+            "due_at": sec("due_at_ms", self.due_at_ms),
+            "created_at": sec("created_at_ms", self.created_at_ms),
+            "started_at": sec("started_at_ms", self.started_at_ms),
+            "finished_at": sec("finished_at_ms", self.finished_at_ms),
             "claimed_by": self.claimed_by,
             "last_error": self.last_error,
             "tag": self.tag,
             "result": self.result,
+            "problem": self.problem,
         }
 
 
@@ -144,6 +162,85 @@ class Outcome:
     recorder only counts it."""
 
 
+UNREADABLE_MS = 2**63 - 1
+"""What a time column that holds no time (text, a blob) reads as: after every real time, as
+SQLite sorts text after numbers (so lists merged in Python keep the database's order)."""
+_BIGINT = (-(2**63), 2**63 - 1)
+_STATUSES = {s.value: s for s in TaskStatus}
+
+
+def stored_ms(value: object) -> int | None:
+    """A time (or count) column's stored value as an int, or None when it holds no number in
+    BIGINT's range: SQLite keeps whatever was written (text, a blob, an infinite real).
+    A real is cut to a whole number (keyexpiry never writes one; nothing breaks on it)."""
+    if type(value) is int:
+        return value if _BIGINT[0] <= value <= _BIGINT[1] else None
+    if isinstance(value, float | Decimal):
+        if not math.isfinite(value):
+            return None
+        whole = int(value)
+        return whole if _BIGINT[0] <= whole <= _BIGINT[1] else None
+    return None
+
+
+class _Reading:
+    """One stored row being read: what could not be read as keyexpiry writes it."""
+
+    __slots__ = ("problems", "unreadable")
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.unreadable: set[str] = set()
+
+    def ms(self, value: object, column: str) -> int:
+        """A NOT NULL time (or count) column; a stand-in when unreadable."""
+        if type(value) is int:  # the common case, at once
+            return value
+        got = stored_ms(value)
+        if got is None:
+            self.problems.append(f"its {column} column holds {_shown(value)}, not a number")
+            self.unreadable.add(column)
+            return 0 if column == "attempts" else UNREADABLE_MS
+        return got
+
+    def maybe_ms(self, value: object, column: str) -> int | None:
+        """A nullable time column; None when unreadable."""
+        if value is None or type(value) is int:
+            return value
+        got = stored_ms(value)
+        if got is None:
+            self.problems.append(f"its {column} column holds {_shown(value)}, not a number")
+            self.unreadable.add(column)
+        return got
+
+    def text(self, value: object, column: str) -> str:
+        """A NOT NULL text column (SQLite also keeps numbers and blobs in one)."""
+        if type(value) is str:
+            return value
+        self.problems.append(f"its {column} column holds {_shown(value)}, not text")
+        return _as_text(value)
+
+    def maybe_text(self, value: object, column: str) -> str | None:
+        """A nullable text column."""
+        if value is None or type(value) is str:
+            return value
+        self.problems.append(f"its {column} column holds {_shown(value)}, not text")
+        return _as_text(value)
+
+
+def _as_text(value: object) -> str:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    return "" if value is None else str(value)
+
+
+def _shown(value: object) -> str:
+    """A stored value quoted in a problem: its type and at most 60 characters, escaped."""
+    if value is None:
+        return "NULL"
+    return f"{type(value).__name__} {clip(_as_text(value), 60)}"
+
+
 def _args(text: str) -> tuple[tuple[str, ...], str | None]:
     """A row's arguments, or () and why they cannot be read (a row written by hand)."""
     try:
@@ -155,32 +252,69 @@ def _args(text: str) -> tuple[tuple[str, ...], str | None]:
     return tuple(args), None
 
 
-def _schedule(r: Any) -> tuple[float, ...] | None:
+def _schedule(r: Any, key: str, attempts: int) -> tuple[float, ...] | None:
     """A row's retry schedule; one written with values keyexpiry would refuse (NaN, negative,
     years) falls back to the method's and the settings' schedule, with a warning."""
     if r.retry_schedule_s is None:
         return None
     try:
         return limits.delays(json.loads(r.retry_schedule_s), "retry_schedule_s", StoreError)
-    except (ValueError, StoreError) as exc:
-        logger.bind(key=shorten(r.task_key, 80), attempt=r.attempts).warning(
+    except (ValueError, TypeError, StoreError) as exc:
+        logger.bind(key=shorten(key, 80), attempt=attempts).warning(
             "ledger row {} has an unusable retry schedule ({}); using the default", r.id, exc
         )
         return None
 
 
+_NAME_AT_END = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
+
+
+def _identity(key: str, class_name: str, method: str) -> tuple[str, str, str | None]:
+    """The class and method of the task `key` names, and the problem when the columns that
+    repeat them say otherwise. The key is what Redis announces and what the claim resolves
+    the handler from: it is the identity, the columns only repeat it (a row whose columns
+    differ is shown with the key's names, and refused when claimed: which one its writer
+    meant, nothing says).
+
+    Read without knowing the key prefix (a prefix holds no `@`): the key's method is its
+    second segment, its class the name that ends the first."""
+    head, _, rest = key.partition(SEPARATOR)
+    key_method = rest.partition(SEPARATOR)[0]
+    if key_method == method and class_name and head.endswith(class_name):
+        return class_name, method, None
+    found = _NAME_AT_END.search(head)
+    key_class = found.group() if found else head
+    problem = (
+        f"its class_name/method columns say {clip(f'{class_name}.{method}', 60)} but its key "
+        f"names {clip(f'{key_class}.{key_method}', 60)} (the key is the task's identity)"
+    )
+    return key_class, key_method, problem
+
+
 def row_from_db(r: Any) -> TaskRow:
-    """A TaskRow from a result row; a row written outside keyexpiry never makes this raise
-    (what cannot run is kept in `problem`)."""
+    """A TaskRow from a result row, whatever was written into it: a row written outside
+    keyexpiry never makes this raise. What keyexpiry would not have written is said in
+    `problem` (the row is malformed), with stand-ins for what could not be read at all."""
+    reading = _Reading()
+    status_text = r.status
+    status: TaskStatus | str | None = _STATUSES.get(status_text)
+    if status is None:
+        status = reading.text(status_text, "status")
+        reading.problems.insert(
+            0,
+            f"its status {clip(status, 40)} is none of {', '.join(_STATUSES)} (a case variant "
+            "of one is that one to a case-insensitive collation, and unseen on SQLite)",
+        )
     return _task_row(
         r,
-        status=TaskStatus(r.status),
-        updated_at_ms=r.updated_at_ms,
-        started_at_ms=r.started_at_ms,
-        finished_at_ms=r.finished_at_ms,
-        claimed_by=r.claimed_by,
-        lease_until_ms=r.lease_until_ms,
-        result_json=r.result,
+        reading,
+        status=status,
+        updated_at_ms=reading.ms(r.updated_at_ms, "updated_at_ms"),
+        started_at_ms=reading.maybe_ms(r.started_at_ms, "started_at_ms"),
+        finished_at_ms=reading.maybe_ms(r.finished_at_ms, "finished_at_ms"),
+        claimed_by=reading.maybe_text(r.claimed_by, "claimed_by"),
+        lease_until_ms=reading.maybe_ms(r.lease_until_ms, "lease_until_ms"),
+        result_json=reading.maybe_text(r.result, "result"),
     )
 
 
@@ -201,6 +335,7 @@ def claimed_row_from_db(r: Any, *, token: str, now_ms: int, lease_until_ms: int)
     claim, so every row held under it was taken with the same times."""
     return _task_row(
         r,
+        _Reading(),
         status=TaskStatus.RUNNING,
         updated_at_ms=now_ms,
         started_at_ms=now_ms,
@@ -213,8 +348,9 @@ def claimed_row_from_db(r: Any, *, token: str, now_ms: int, lease_until_ms: int)
 
 def _task_row(
     r: Any,
+    reading: _Reading,
     *,
-    status: TaskStatus,
+    status: TaskStatus | str,
     updated_at_ms: int,
     started_at_ms: int | None,
     finished_at_ms: int | None,
@@ -222,25 +358,78 @@ def _task_row(
     lease_until_ms: int | None,
     result_json: str | None = None,
 ) -> TaskRow:
-    args, problem = _args(r.args)
+    # Each value is checked inline first (the claim reads thousands of rows a second, all
+    # sound); only one of another type goes through `reading`.
+    key, class_name, method, args_text = r.task_key, r.class_name, r.method, r.args
+    if type(key) is not str:
+        key = reading.text(key, "task_key")
+    if type(class_name) is not str:
+        class_name = reading.text(class_name, "class_name")
+    if type(method) is not str:
+        method = reading.text(method, "method")
+    if type(args_text) is not str:
+        args_text = reading.text(args_text, "args")
+    attempts, due_at_ms, created_at_ms = r.attempts, r.due_at_ms, r.created_at_ms
+    if type(attempts) is not int:
+        attempts = reading.ms(attempts, "attempts")
+    if type(due_at_ms) is not int:
+        due_at_ms = reading.ms(due_at_ms, "due_at_ms")
+    if type(created_at_ms) is not int:
+        created_at_ms = reading.ms(created_at_ms, "created_at_ms")
+    last_error, tag = r.last_error, r.tag
+    if last_error is not None and type(last_error) is not str:
+        last_error = reading.maybe_text(last_error, "last_error")
+    if tag is not None and type(tag) is not str:
+        tag = reading.maybe_text(tag, "tag")
+    args, args_problem = _args(args_text)
+    if args_problem is not None:
+        reading.problems.append(args_problem)
+    class_name, method, mismatch = _identity(key, class_name, method)
+    if mismatch is not None:
+        reading.problems.append(mismatch)
     return TaskRow(
         id=r.id,
-        key=r.task_key,
-        class_name=r.class_name,
-        method=r.method,
+        key=key,
+        class_name=class_name,
+        method=method,
         args=args,
         status=status,
-        attempts=r.attempts,
-        retry_schedule_s=_schedule(r),
-        due_at_ms=r.due_at_ms,
-        created_at_ms=r.created_at_ms,
+        attempts=attempts,
+        retry_schedule_s=_schedule(r, key, attempts),
+        due_at_ms=due_at_ms,
+        created_at_ms=created_at_ms,
         updated_at_ms=updated_at_ms,
         started_at_ms=started_at_ms,
         finished_at_ms=finished_at_ms,
         claimed_by=claimed_by,
         lease_until_ms=lease_until_ms,
-        last_error=r.last_error,
-        problem=problem,
-        tag=r.tag,
+        last_error=last_error,
+        problem="; ".join(reading.problems) if reading.problems else None,
+        tag=tag,
         result_json=result_json,
+        unreadable=frozenset(reading.unreadable) if reading.unreadable else frozenset(),
     )
+
+
+class MalformedRows:
+    """Says once per row, with its key, that a ledger row is malformed and what becomes of it,
+    and counts such rows: a loop that meets the same row on every pass must not say it on
+    every pass."""
+
+    def __init__(self) -> None:
+        self._said = SaidOnce()
+        self._lock = threading.Lock()
+        self.count = 0
+        """Malformed rows reported (each once)."""
+
+    def report(self, key: str, problem: str, fate: str, *, attempt: int = 0) -> bool:
+        """Log `problem` of the row `key` and its `fate` (skipped, left alone), the first time
+        only; True when it was said now."""
+        with self._lock:
+            if not self._said.first((key, problem)):
+                return False
+            self.count += 1
+        logger.bind(key=printable(shorten(key, 200)), attempt=attempt).warning(
+            "malformed ledger row ({}): {}", fate, problem
+        )
+        return True

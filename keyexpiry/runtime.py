@@ -29,7 +29,7 @@ from keyexpiry.errors import RedisUnavailableError
 from keyexpiry.metrics import RunMetrics
 from keyexpiry.registry import Registry, default_registry
 from keyexpiry.sentinel import close_client, is_sentinel_url, master_client
-from keyexpiry.settings import Settings, mask_url
+from keyexpiry.settings import Settings, mask_url, redact
 from keyexpiry.store import Store, make_engine
 
 
@@ -158,7 +158,9 @@ def redis_client(url: str, settings: Settings, *, pubsub: bool = False) -> Redis
             return master_client(url, options)
         return Redis.from_url(url, **options)
     except ValueError as exc:
-        raise RedisUnavailableError(f"bad Redis URL {mask_url(url)}: {exc}") from None
+        raise RedisUnavailableError(
+            f"bad Redis URL {mask_url(url)}: {redact(str(exc), url)}"
+        ) from None
 
 
 def redis_options(url: str, settings: Settings, *, pubsub: bool = False) -> dict[str, Any]:

@@ -3,12 +3,13 @@ expired leases and their requeue."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import itertools
+from typing import Any, NamedTuple
 
-from sqlalchemy import Text, and_, func, literal, or_, select, update
+from sqlalchemy import ColumnElement, Text, and_, func, literal, or_, select, update
 
 from keyexpiry.ledger import Ledger, retried_once
-from keyexpiry.rows import TaskRow, TaskStatus
+from keyexpiry.rows import UNREADABLE_MS, TaskRow, TaskStatus, stored_ms
 from keyexpiry.rows import row_from_db as _row
 from keyexpiry.table import T, with_earlier_errors
 
@@ -19,10 +20,49 @@ class PendingKey(NamedTuple):
     key: str
     due_at_ms: int
     attempts: int
+    problem: str | None = None
+    """Why this row cannot be reconciled (its due time is not a number): skip and report it."""
+    stored_due: Any = None
+    """The due time as stored, when it is not `due_at_ms` itself (see `position`)."""
+
+    @property
+    def position(self) -> tuple[Any, str]:
+        """This row's place in the walk's order, as the database compares it: a page after a
+        row whose due time is text (SQLite sorts it after every number) starts after that
+        text, not after a stand-in, or the walk would read that row again for ever."""
+        return (self.due_at_ms if self.stored_due is None else self.stored_due, self.key)
 
 
-KEYS_START = (-(2**62), "")
-"""The position before every pending key in `pending_keys_page`'s order."""
+KEYS_START: tuple[Any, str] = (None, "")
+"""The position before every pending key in `pending_keys_page`'s order, whatever is stored
+(a due time of -9e18, below any bound that could be written here, is walked too)."""
+
+_MAX_BIGINT = 2**63 - 1
+
+
+def _no_number(column: ColumnElement[Any]) -> ColumnElement[bool]:
+    """True where a BIGINT column holds no number in range: only SQLite keeps such values
+    (text and blobs sort after every number there); on MySQL/MariaDB it matches nothing. A
+    range of the column's index, unlike a type test."""
+    return column > _MAX_BIGINT
+
+
+def _pending_key(k: Any, d: Any, a: Any) -> PendingKey:
+    if type(d) is int and type(a) is int and type(k) is str:  # every sound row, at once
+        return PendingKey(k, d, a)
+    due, attempts = stored_ms(d), stored_ms(a)
+    problem = None
+    if due is None:
+        problem = f"its due_at_ms column holds {type(d).__name__} {str(d)[:60]!r}, not a time"
+    elif attempts is None:
+        problem = f"its attempts column holds {type(a).__name__} {str(a)[:60]!r}, not a number"
+    return PendingKey(
+        str(k),
+        UNREADABLE_MS if due is None else due,
+        attempts or 0,
+        problem,
+        None if type(d) is int else d,
+    )
 
 
 class ScanQueries(Ledger):
@@ -36,16 +76,17 @@ class ScanQueries(Ledger):
         `upto_ms` when given: a keyset walk read off the (status, due_at_ms, task_key, attempts)
         index alone. Reconciliation walks every pending row with it: no row lookups (which,
         in due order, land all over the table) and three small columns to decode."""
-        due, key = after
         q = select(T.c.task_key, T.c.due_at_ms, T.c.attempts).where(
-            T.c.status == TaskStatus.PENDING.value,
-            or_(T.c.due_at_ms > due, and_(T.c.due_at_ms == due, T.c.task_key > key)),
+            T.c.status == TaskStatus.PENDING.value
         )
+        if after != KEYS_START:
+            due, key = after
+            q = q.where(or_(T.c.due_at_ms > due, and_(T.c.due_at_ms == due, T.c.task_key > key)))
         if upto_ms is not None:
             q = q.where(T.c.due_at_ms <= upto_ms)
         with self._tx() as conn:
             rows = conn.execute(q.order_by(T.c.due_at_ms, T.c.task_key).limit(limit)).all()
-        return [PendingKey(str(k), int(d), int(a)) for k, d, a in rows]
+        return [_pending_key(k, d, a) for k, d, a in rows]
 
     @retried_once
     def upcoming(self, *, after_ms: int, upto_ms: int, limit: int) -> list[tuple[str, int]]:
@@ -61,12 +102,20 @@ class ScanQueries(Ledger):
                 .order_by(T.c.due_at_ms)
                 .limit(limit)
             ).all()
-        return [(str(k), int(d)) for k, d in rows]
+        return _due_keys(rows)
 
     @retried_once
     def overdue(self, *, now_ms: int, limit: int) -> list[tuple[str, int]]:
-        """(key, due) of pending rows due at or before `now_ms`, earliest first."""
-        return self.upcoming(after_ms=-(2**62), upto_ms=now_ms, limit=limit)
+        """(key, due) of pending rows due at or before `now_ms`, earliest first: however early
+        (a row due at -9e18 is overdue, not out of sight)."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T.c.task_key, T.c.due_at_ms)
+                .where(T.c.status == TaskStatus.PENDING.value, T.c.due_at_ms <= now_ms)
+                .order_by(T.c.due_at_ms)
+                .limit(limit)
+            ).all()
+        return _due_keys(rows)
 
     @retried_once
     def count_pending(self) -> int:
@@ -105,13 +154,36 @@ class ScanQueries(Ledger):
 
     @retried_once
     def expired_leases(self, now_ms: int, limit: int = 1000) -> list[TaskRow]:
-        """Running rows whose lease has run out: the listener running them is gone."""
+        """Running rows whose lease has run out: the listener running them is gone. A running
+        row with no lease (NULL, or text: written outside keyexpiry, which always sets one)
+        is one whose lease ran out: nothing else would ever end it."""
+        running = T.c.status == TaskStatus.RUNNING.value
+        with self._tx() as conn:
+            rows = list(
+                conn.execute(
+                    select(T)
+                    .where(running, T.c.lease_until_ms < now_ms)
+                    .order_by(T.c.lease_until_ms)
+                    .limit(limit)
+                )
+            )
+            # Apart: each is a range of the (status, lease_until_ms) index, which one OR of
+            # the two would not be on every database.
+            for lost in (T.c.lease_until_ms.is_(None), _no_number(T.c.lease_until_ms)):
+                if len(rows) < limit:
+                    rows.extend(
+                        conn.execute(select(T).where(running, lost).limit(limit - len(rows)))
+                    )
+        return [_row(r) for r in rows]
+
+    @retried_once
+    def unknown_status_rows(self, limit: int = 100) -> list[TaskRow]:
+        """Rows whose status is none of `TaskStatus` (written outside keyexpiry): no other
+        query ever reads them. Ranges of the status index between the known statuses, which
+        hold nothing in a sound ledger."""
         with self._tx() as conn:
             rows = conn.execute(
-                select(T)
-                .where(T.c.status == TaskStatus.RUNNING.value, T.c.lease_until_ms < now_ms)
-                .order_by(T.c.lease_until_ms)
-                .limit(limit)
+                select(T).where(unknown_status()).order_by(T.c.id).limit(limit)
             ).all()
         return [_row(r) for r in rows]
 
@@ -133,7 +205,13 @@ class ScanQueries(Ledger):
             T.c.claimed_by == row.claimed_by,
         ]
         if lease_expired:
-            conditions.append(T.c.lease_until_ms < now_ms)
+            conditions.append(
+                or_(
+                    T.c.lease_until_ms < now_ms,
+                    T.c.lease_until_ms.is_(None),
+                    _no_number(T.c.lease_until_ms),
+                )
+            )
         with self._tx() as conn:
             result = conn.execute(
                 update(T)
@@ -148,3 +226,23 @@ class ScanQueries(Ledger):
                 )
             )
         return bool(result.rowcount)
+
+
+def unknown_status() -> ColumnElement[bool]:
+    """A status outside `TaskStatus`, as ranges between the known ones (`NOT IN` would walk
+    the whole table on SQLite): on the status index, and empty in a sound ledger."""
+    known = sorted(s.value for s in TaskStatus)
+    gaps: list[ColumnElement[bool]] = [T.c.status < known[0], T.c.status > known[-1]]
+    gaps += [and_(T.c.status > a, T.c.status < b) for a, b in itertools.pairwise(known)]
+    return or_(*gaps)
+
+
+def _due_keys(rows: Any) -> list[tuple[str, int]]:
+    """(key, due) of rows whose due time is a number; a row whose due time is text is left to
+    reconciliation's walk, which reports it."""
+    found: list[tuple[str, int]] = []
+    for k, d in rows:
+        due = d if type(d) is int else stored_ms(d)
+        if due is not None:
+            found.append((str(k), due))
+    return found

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 from keyexpiry import limits
 from keyexpiry.cluster import is_cluster_url, parse_cluster_url
@@ -21,30 +22,101 @@ DEFAULT_RETRY_SCHEDULE_S: tuple[float, ...] = (
 
 
 def mask_url(url: str | None) -> str:
-    """`url` with any password replaced by `***`, safe for logs and output.
+    """`url` with every credential replaced by `***`, safe for logs, errors and output.
 
-    Both places a password can hide are masked: the user-info part and a `password=` query
-    argument (redis-py reads both, e.g. `unix:///run/redis.sock?password=...`). The rest of the
-    URL is kept as written.
+    Masked, whatever their spelling: the password of the user-info part (as `urlsplit` reads it,
+    and as SQLAlchemy does: up to the first `@`, so one holding `/`, `?` or `#` is masked whole),
+    and the value of every query argument whose name, percent-decoded and stripped of case and
+    punctuation, names a credential (`password`, `passwd`, PyMySQL's spelling, `pwd`,
+    `ssl_password`, `ssl_keyfile_password`, `sentinel_password`, `token`, `secret`, `api_key`,
+    `auth…`, …). Parsing never fails: a malformed URL is masked the same way. The user name and
+    the rest of the URL are kept as written.
     """
     if not url:
         return "(embedded)"
-    parts = urlsplit(url)
-    masked = url
-    if parts.password is not None:
-        user = parts.username or ""
-        host = parts.netloc.rpartition("@")[2]
-        masked = masked.replace(f"//{parts.netloc}", f"//{user}:***@{host}", 1)
-    if parts.query:
-        query = "&".join(
-            f"{name}=***" if name.lower() in _SECRET_QUERY else f"{name}{sep}{value}"
-            for name, sep, value in (item.partition("=") for item in parts.query.split("&"))
-        )
-        masked = masked.replace(f"?{parts.query}", f"?{query}", 1)
+    masked, _ = _mask(url)
     return masked
 
 
-_SECRET_QUERY = ("password", "sentinel_password")
+def url_secrets(url: str | None) -> list[str]:
+    """The credentials `mask_url` hides in `url`, as written and percent-decoded: what
+    `redact` removes from text that may quote a piece of the URL (a driver's parse error)."""
+    if not url:
+        return []
+    _, found = _mask(url)
+    # A parser's error may quote a piece of one (redis-py's "Port could not be cast to integer
+    # value as 'pa'" for `u:pa/ss@h`): the pieces between URL delimiters go too.
+    pieces = {p for s in found for p in re.split(r"[/?#@&;=:]", s)}
+    forms = {f for s in {*found, *pieces} for f in (s, unquote(s), unquote_plus(s))}
+    return sorted((f for f in forms if len(f) >= _REDACT_MIN_CHARS), key=len, reverse=True)
+
+
+def redact(text: str, *urls: str | None) -> str:
+    """`text` with every credential of `urls` (see `url_secrets`) replaced by `***`: for
+    messages that embed an exception raised while parsing or using one of them."""
+    for url in urls:
+        for secret in url_secrets(url):
+            text = text.replace(secret, "***")
+    return text
+
+
+_REDACT_MIN_CHARS = 4
+"""Shorter credentials are not cut out of free text: "pw" would cut every "pw" in a message
+(`mask_url` masks them all the same, by position)."""
+
+_SECRET_NAME_PARTS = ("pass", "pwd", "secret", "token", "key", "auth", "cred", "signature")
+"""A query argument whose normalised name contains one of these carries a credential. Broad
+on purpose: masking a harmless value (`ssl_keyfile`, `auth_plugin`) costs nothing."""
+_SECRET_NAMES = ("pw", "sig", "pin")
+
+
+def _is_secret_name(raw: str) -> bool:
+    name = raw
+    for _ in range(3):  # `pass%77ord`, and once more for a doubly encoded name
+        decoded = unquote_plus(name)
+        if decoded == name:
+            break
+        name = decoded
+    norm = "".join(c for c in name.casefold() if c.isalnum())
+    return norm in _SECRET_NAMES or any(part in norm for part in _SECRET_NAME_PARTS)
+
+
+def _mask(url: str) -> tuple[str, list[str]]:
+    """(masked url, the credentials it held)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    found: list[str] = []
+    head = ""
+    # The user-info part ends at an `@`: urlsplit (redis-py) takes the last one before the
+    # path, SQLAlchemy the first one after `user:` (a password may hold `/`, `?`, `#`):
+    # whichever ends later. Erring on the safe side: `redis://h:1/0?name=a@b` shows as
+    # `redis://h:***@b` (an unencoded `@` in a query is rare; a `?` in a password is not).
+    netloc = re.match(r"[^/?#]*", rest)
+    at = netloc.group().rfind("@") if sep and netloc else -1
+    alchemy = re.match(r"[^:/?#@]*:[^@]*@", rest) if sep else None
+    if alchemy is not None:
+        at = max(at, alchemy.end() - 1)
+    if at >= 0:
+        userinfo, rest = rest[:at], rest[at + 1 :]
+        user, colon, password = userinfo.partition(":")
+        if colon:
+            found.append(password)
+            head = f"{user}:***@"
+        else:
+            head = f"{userinfo}@"
+    start = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=-1)
+    if start < 0:
+        return f"{scheme}{sep}{head}{rest}", found
+    items = []
+    for item in rest[start + 1 :].split("&"):
+        pieces = re.split(r"[;#]", item)
+        equals = item.find("=")
+        if equals >= 0 and any(_is_secret_name(p.partition("=")[0]) for p in pieces):
+            found.append(item[equals + 1 :])
+            item = item[: equals + 1] + "***"
+        items.append(item)
+    return f"{scheme}{sep}{head}{rest[: start + 1]}{'&'.join(items)}", found
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
@@ -103,6 +175,9 @@ class Settings:
     """Largest handler return value kept with its row, in bytes of JSON (`result`)."""
     http: str = ""
     """`HOST:PORT` for the listener's /metrics, /healthz and /readyz; empty: not served."""
+    web_allowed_hosts: tuple[str, ...] = ()
+    """Host names the dashboard answers to (`*.example.com` for subdomains), beside loopback ones
+    without a token; empty with a token: any (a guard against DNS rebinding)."""
 
     def __repr__(self) -> str:
         shown = ", ".join(
@@ -144,11 +219,6 @@ class Settings:
             limits.number(value, name, low=low, high=high, error=ConfigError)
             if name in _WHOLE and not isinstance(value, int):
                 raise ConfigError(f"{name} must be a whole number, got {value!r}")
-        for name in _ABOVE_ZERO:
-            limits.number(
-                getattr(self, name), name, low=0, high=_RANGES[name][1], error=ConfigError,
-                above_low=True,
-            )  # fmt: skip
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ConfigError("reconnect_max_s must be >= reconnect_initial_s")
         if self.takeover_after_s < 2 * self.heartbeat_s:
@@ -158,17 +228,40 @@ class Settings:
         schedule = limits.delays(self.retry_schedule_s, "retry_schedule_s", ConfigError)
         object.__setattr__(self, "retry_schedule_s", schedule)
         if self.http:
-            from keyexpiry.endpoints import parse_bind
-
-            parse_bind(self.http)
+            parse_bind(self.http, "--http")
+        for host in self.web_allowed_hosts:
+            if not _ALLOWED_HOST.fullmatch(host):
+                raise ConfigError(
+                    f"web_allowed_hosts: {host[:80]!r} is not a host name, IP address, "
+                    "*.domain or *"
+                )
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         if "@" in self.key_prefix or len(self.key_prefix) > 64:
             raise ConfigError("key_prefix must not contain '@' and must be at most 64 characters")
+        try:
+            self._validate_urls()
+        except ConfigError as exc:
+            # A parser's message may quote a piece of the URL it could not make sense of
+            # (cluster entry points cut out of a password holding `/`): never a credential.
+            raise ConfigError(redact(str(exc), self.redis_url, self.database_url)) from None
+        hash_tag = "{" in self.key_prefix or "}" in self.key_prefix
+        if hash_tag and self.redis_url and is_cluster_url(self.redis_url):
+            # A hash tag in the prefix would put every task key in one slot.
+            raise ConfigError("key_prefix must not contain '{' or '}' on a Redis Cluster")
+
+    def _validate_urls(self) -> None:
         for url, what, schemes in (
             (self.redis_url, "redis_url", _REDIS_SCHEMES),
             (self.database_url, "database_url", None),
         ):
             if url:
-                scheme = urlsplit(url).scheme
+                try:
+                    scheme = urlsplit(url).scheme
+                except ValueError as exc:  # "Invalid IPv6 URL": an unclosed `[`
+                    raise ConfigError(
+                        f"{what} {mask_url(url)!r} is not a valid URL: {exc}"
+                    ) from None
                 if not schemes:
                     scheme = scheme.split("+")[0]  # mysql+pymysql: the driver is SQLAlchemy's
                 if not scheme or (schemes and scheme not in schemes):
@@ -181,15 +274,15 @@ class Settings:
                         parse_sentinel_url(url)  # a malformed one fails here, with the reason
         if self.redis_url and is_cluster_url(self.redis_url):
             parse_cluster_url(self.redis_url)  # raises ConfigError naming what is wrong
-            if "{" in self.key_prefix or "}" in self.key_prefix:
-                # A hash tag in the prefix would put every task key in one slot.
-                raise ConfigError("key_prefix must not contain '{' or '}' on a Redis Cluster")
 
     @property
     def embedded_redis(self) -> bool:
         """Whether keyexpiry runs its own redis-server under `state_dir`."""
         return not self.redis_url
 
+
+_ALLOWED_HOST = re.compile(r"\*|(\*\.)?[A-Za-z0-9_.-]{1,253}|\[?[0-9A-Fa-f:.]{2,45}\]?")
+"""A `web_allowed_hosts` entry: a name, an IPv4 or IPv6 address, `*.domain` or `*` (any)."""
 
 _REDIS_SCHEMES = (
     "redis", "rediss", "unix",
@@ -200,40 +293,49 @@ _REDIS_SCHEMES = (
 _RANGES: dict[str, tuple[float, float]] = {
     "concurrency": (1, 1024),
     "async_concurrency": (1, 100_000),
-    "handler_timeout_s": (0, limits.MAX_DELAY_S),
+    "handler_timeout_s": (limits.MIN_TIMEOUT_S, limits.MAX_DELAY_S),
     "lease_grace_s": (0, limits.DAY_S),
     "sentinel_count": (0, 100),
-    "sentinel_interval_s": (0, 30 * limits.DAY_S),
+    "sentinel_interval_s": (limits.MIN_INTERVAL_S, 30 * limits.DAY_S),
     "shutdown_timeout_s": (0, limits.DAY_S),
-    "reconnect_initial_s": (0, 3600),
-    "reconnect_max_s": (0, limits.DAY_S),
-    "health_check_interval_s": (0, 3600),
+    "reconnect_initial_s": (limits.MIN_INTERVAL_S, 3600),
+    "reconnect_max_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
+    "health_check_interval_s": (limits.MIN_INTERVAL_S, 3600),
     "claim_batch": (1, 5000),
-    "canary_interval_s": (0, limits.DAY_S),
-    "lease_check_s": (0, limits.DAY_S),
+    "canary_interval_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
+    "lease_check_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
     "stuck_after_s": (0, limits.DAY_S),
-    "heartbeat_s": (0, 60),
+    "heartbeat_s": (limits.MIN_INTERVAL_S, 60),
     "takeover_after_s": (0, limits.DAY_S),
     "retain_done_s": (0, limits.MAX_HORIZON_S),
     "retain_dead_s": (0, limits.MAX_HORIZON_S),
-    "prune_every_s": (0, limits.DAY_S),
-    "driver_window_s": (0, limits.DAY_S),
+    "prune_every_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
+    "driver_window_s": (1, limits.DAY_S),
     "driver_max_rows": (100, 10_000_000),
-    "wake_ahead_s": (0, 7 * limits.DAY_S),
+    "wake_ahead_s": (1, 7 * limits.DAY_S),
     # A result travels in one of the recorder's UPDATEs: 1 MiB stays below the smallest
     # max_allowed_packet a server is likely to have (4 MiB on MySQL 5.7, 16 MiB on MariaDB).
     "result_max_bytes": (1, 1024 * 1024),
 }
-"""Every numeric setting and its accepted range (finite, inclusive)."""
+"""Every numeric setting and its accepted range (finite, inclusive). A loop's interval is at
+least `limits.MIN_INTERVAL_S`: a smaller one (1e-300) spins a thread at 100 % CPU; the driver's
+window and look-ahead at least 1 s (its reads are per window)."""
 _WHOLE = (
     "concurrency", "async_concurrency", "sentinel_count", "claim_batch", "driver_max_rows",
     "result_max_bytes",
 )  # fmt: skip
-_ABOVE_ZERO = (
-    "handler_timeout_s", "sentinel_interval_s", "reconnect_initial_s", "reconnect_max_s",
-    "canary_interval_s", "lease_check_s", "driver_window_s", "heartbeat_s", "prune_every_s",
-)  # fmt: skip
-"""Settings that must be strictly positive (a zero would spin or time out at once)."""
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
+"""loguru's levels, any case."""
+
+
+def parse_bind(value: str, option: str) -> tuple[str, int]:
+    """`HOST:PORT`, `[::1]:PORT` or `:PORT` (all interfaces) as (host, port); a ConfigError
+    names `option`, the flag the user gave (`--http`, `--bind`)."""
+    host, sep, port_text = value.strip().rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{option} {value!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port_text)
 
 
 def _parse_field(name: str, raw: str, type_name: object) -> object:

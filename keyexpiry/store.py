@@ -31,7 +31,7 @@ from keyexpiry.migrations import (
 from keyexpiry.retention import RetentionQueries
 from keyexpiry.rows import NewTask, Outcome, TaskRow, TaskStatus
 from keyexpiry.rows import row_from_db as _row
-from keyexpiry.scans import ScanQueries
+from keyexpiry.scans import ScanQueries, unknown_status
 from keyexpiry.scheduling import Did, IfExists, ScheduleQueries
 from keyexpiry.table import (
     PIPELINED_STATEMENT_BYTES,
@@ -159,7 +159,7 @@ class Store(
                     dbapi_conn.escape, task, now_ms
                 )
             )
-            # 1: inserted; 2: an existing row reset; 0: reset to the very values it held.
+            # 1: inserted; 2: an existing row reset (which always changes it: `_moved_on`).
             return [(Did.CREATED if changed == 1 else Did.REPLACED, task.due_at_ms)]
         return self._upsert_literal(tasks, tasks, now_ms)
 
@@ -204,8 +204,10 @@ class Store(
                     escape, tasks, now_ms, max_bytes=PIPELINED_STATEMENT_BYTES
                 )
                 affected = self._pipelined(conn, statements)
-                # Found rows (this pool asks for them): 1 a row inserted (or unchanged), 2 a row
-                # reset. All new or all existing says it for every key; a mix says nothing.
+                # 1 a row inserted, 2 a row reset: a reset always changes the row (`_moved_on`
+                # in keyexpiry.table), so none counts 1 as an unchanged row does with the found
+                # rows this pool asks for. All new or all existing says it for every key; a mix
+                # says nothing.
                 if affected in (len(taken), 2 * len(taken)):
                     did = Did.CREATED if affected == len(taken) else Did.REPLACED
                     return [(did, t.due_at_ms) for t in taken]
@@ -387,7 +389,7 @@ class Store(
             return {}
         with self._tx() as conn:
             rows = conn.execute(select(T).where(T.c.task_key.in_(list(keys)))).all()
-        return {r.task_key: _row(r) for r in rows}
+        return {row.key: row for row in map(_row, rows)}
 
     @retried_once
     def list_tasks(
@@ -396,7 +398,8 @@ class Store(
         """Rows ordered by due time, optionally of one status, optionally of one tag.
 
         Without a status: the first `limit` of each status, each read in (due_at_ms, task_key)
-        order off the (status, due_at_ms, task_key) index, merged. One ORDER BY over every row
+        order off the (status, due_at_ms, task_key) index, merged, and those of a status
+        outside `TaskStatus` (malformed: shown, not hidden). One ORDER BY over every row
         would sort the whole table (10 M rows). With a tag: its rows in order on the (tag,
         due_at_ms) index."""
         if tag is not None:
@@ -420,6 +423,18 @@ class Store(
                 ]
                 for s in statuses
             ]
+            if status is None:
+                runs.append(
+                    [
+                        _row(r)
+                        for r in conn.execute(
+                            select(T)
+                            .where(unknown_status())
+                            .order_by(T.c.due_at_ms, T.c.task_key)
+                            .limit(limit)
+                        )
+                    ]
+                )
         merged = heapq.merge(*runs, key=lambda row: (row.due_at_ms, row.key))
         return list(itertools.islice(merged, limit))
 

@@ -116,6 +116,11 @@ class Subscription:
                     # other (it may be undone), so back off and retry, and say what it is.
                     health.problem = describe_redis_error(exc)
                     logger.error("{}; retrying in {:.1f} s", health.problem, wait_s)
+                elif not self.connected_once:
+                    # Never connected: nothing was lost; say what the user has to fix.
+                    logger.error(
+                        "could not connect to Redis ({}); retrying in {:.1f} s", exc, wait_s
+                    )
                 else:
                     logger.error("Redis connection lost ({}); retrying in {:.1f} s", exc, wait_s)
                 self._wait(wait_s)

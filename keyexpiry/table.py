@@ -31,7 +31,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.errors import StoreError
 from keyexpiry.rows import NewTask, TaskStatus, args_json, schedule_json
-from keyexpiry.settings import mask_url
+from keyexpiry.settings import mask_url, redact
 from keyexpiry.tags import TAG_MAX_CHARS
 
 TABLE_NAME = "time_limit_task"
@@ -178,7 +178,7 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "connect", _short_lock_waits)
         return engine
     except (SQLAlchemyError, ImportError, ValueError) as exc:
-        raise StoreError(f"cannot use database {mask_url(url)}: {exc}") from None
+        raise StoreError(f"cannot use database {mask_url(url)}: {redact(str(exc), url)}") from None
 
 
 def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
@@ -205,9 +205,10 @@ _CLIENT_FOUND_ROWS = 2
 
 
 def _changed_rows_only(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
-    # SQLAlchemy asks every MySQL connection for found rows. Without it, an upsert's affected
-    # rows say what it did (1 inserted, 2 updated, 0 unchanged): how a single create knows
-    # whether its key was new, in its one round trip.
+    # SQLAlchemy asks every MySQL connection for found rows. Without it, a statement's affected
+    # rows are the rows it changed. (The upsert counts 1 inserted, 2 updated either way: its
+    # update always changes the row, `_moved_on`; that is how a single create knows whether
+    # its key was new, in its one round trip.)
     cparams["client_flag"] = int(cparams.get("client_flag", 0)) & ~_CLIENT_FOUND_ROWS
 
 
@@ -252,13 +253,26 @@ _RESET_ON_CREATE = (
     "updated_at_ms", *_RUN_COLUMNS,
 )  # fmt: skip
 """What creating an existing key resets: it becomes a fresh pending task with a new due time.
-Its tag is kept unless the create gives one (`_kept_tag`)."""
+Its tag is kept unless the create gives one (`_kept_tag`); `updated_at_ms` always moves on
+(`_moved_on`)."""
 
 
 def _kept_tag(new: Any) -> Any:
     # Tags survive a reschedule: code that moves a task's due time (a debounce) need not know
     # the tag another part of the application gave it, and must not lose it.
     return func.coalesce(new, T.c.tag)
+
+
+def _moved_on(greatest: Any, new: Any) -> Any:
+    """`updated_at_ms` of a row a create resets: the create's time, or a millisecond past the
+    row's own when that is not earlier (`greatest`: the dialect's two-argument maximum).
+
+    So a reset always changes the row. Two creates of a key in one millisecond would otherwise
+    write the very values the row holds, and MySQL/MariaDB count such a row 1 in affected rows
+    with found rows, as they count an inserted row (0 without): a create on the main pool
+    (every bulk create) took the reset for an insert. Changed, it counts 2 either way.
+    """
+    return greatest(new, T.c.updated_at_ms + literal_column("1"))
 
 
 _FRESH = {
@@ -280,6 +294,8 @@ def upsert_statement(dialect: str) -> Any:
             index_elements=[T.c.task_key],
             set_={
                 **{c: ins.excluded[c] for c in _RESET_ON_CREATE},
+                # The same rows on both ledgers (SQLite tells inserts apart by id).
+                "updated_at_ms": _moved_on(func.max, ins.excluded.updated_at_ms),
                 "tag": _kept_tag(ins.excluded.tag),
             },
         )
@@ -290,6 +306,7 @@ def upsert_statement(dialect: str) -> Any:
     return mins.on_duplicate_key_update(
         {
             **{c: _FRESH.get(c, mins.inserted[c]) for c in _RESET_ON_CREATE},
+            "updated_at_ms": _moved_on(func.greatest, mins.inserted.updated_at_ms),
             "tag": _kept_tag(mins.inserted.tag),
         }
     )

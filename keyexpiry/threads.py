@@ -7,27 +7,49 @@ half alive is worse than dead. Every long-lived thread of a listener runs throug
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 
 from loguru import logger
 
+from keyexpiry.clock import monotonic_s
+
 _RESTART_PAUSE_S = 0.1
 """Pause before a loop that raised starts again, so a failure that repeats cannot spin a core."""
+REPEATS = 3
+"""Unexpected exceptions of one thread within `REPEAT_WINDOW_S` that make it a failing thread
+(not ready): one is a bug met once; the same loop raising again and again is a listener that
+no longer does that part of its job, however alive its threads are."""
+REPEAT_WINDOW_S = 60.0
 
 
 class ThreadErrors:
-    """How many unexpected exceptions the listener's threads survived (for status and tests)."""
+    """How many unexpected exceptions the listener's threads survived (for status and tests),
+    and which threads keep raising (for readiness)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
         self.by_thread: dict[str, int] = {}
+        self._recent: dict[str, deque[float]] = {}
 
     def add(self, name: str) -> None:
         """Count one unexpected exception in thread `name`."""
         with self._lock:
             self.count += 1
             self.by_thread[name] = self.by_thread.get(name, 0) + 1
+            self._recent.setdefault(name, deque(maxlen=REPEATS)).append(monotonic_s())
+
+    def repeating(self, now_s: float | None = None) -> list[str]:
+        """Threads whose last `REPEATS` unexpected exceptions all fell within the last
+        `REPEAT_WINDOW_S`: a loop failing over and over, not a bug met once."""
+        now_s = monotonic_s() if now_s is None else now_s
+        with self._lock:
+            return sorted(
+                name
+                for name, times in self._recent.items()
+                if len(times) == REPEATS and now_s - times[0] <= REPEAT_WINDOW_S
+            )
 
 
 def spawn(

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loguru import logger
 
 from keyexpiry import Client, Listener, Settings
 from keyexpiry.bench.servers import wait_until
+from keyexpiry.log import _format
 from keyexpiry.store import Store, TaskRow, TaskStatus, make_engine
 from tests import sample_tasks
 
@@ -51,6 +53,15 @@ class Running:
         self.listener.stop()
         self.thread.join(timeout=30)
         assert not self.thread.is_alive(), "listener did not stop"
+
+
+@pytest.fixture
+def log_lines() -> Iterator[list[str]]:
+    """Every line keyexpiry logs at INFO and above during the test, formatted as users see it."""
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="INFO", format=_format, colorize=False)
+    yield lines
+    logger.remove(sink)
 
 
 @pytest.fixture

@@ -14,13 +14,12 @@ import os
 import subprocess
 import sys
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import redis
-from loguru import logger
 from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
@@ -29,7 +28,6 @@ from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.errors import ArgumentError, KeyExpiryError, KeyFormatError, UnknownTaskError
 from keyexpiry.keys import MAX_KEY_BYTES
-from keyexpiry.log import _format
 from keyexpiry.store import TaskStatus
 from tests import sample_tasks
 from tests.conftest import RedisFactory
@@ -41,15 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MB = 1024 * 1024
 LINE_LIMIT = 400
 """Longest log line or error message any hostile input may produce."""
-
-
-@pytest.fixture
-def log_lines() -> Iterator[list[str]]:
-    """Every line keyexpiry logs at INFO and above during the test, formatted as users see it."""
-    lines: list[str] = []
-    sink = logger.add(lines.append, level="INFO", format=_format, colorize=False)
-    yield lines
-    logger.remove(sink)
 
 
 def _traced_mb() -> float:

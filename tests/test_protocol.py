@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterator, Sequence
 from decimal import Decimal
 from pathlib import Path
 
+import pymysql
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pymysql.constants import CLIENT
 from sqlalchemy import make_url
 from sqlalchemy.dialects import mysql
 
@@ -363,6 +365,36 @@ def test_a_producer_dying_between_row_and_key(
     assert client.store.get(key_only) is None and sample_tasks.CALLS[key_only] == 0
     # Its event came, and found no row.
     wait_until(lambda: client.redis.exists(key_only) == 0, 10, message="key never expired")
+
+
+def test_the_creates_affected_rows_say_new_or_reset_within_one_millisecond(
+    producer: CliProducer, ledger: tuple[Settings, Client], mysql_url: str
+) -> None:
+    """As the page says: 1 for a new key, 2 for a reset, also when a create repeats the row's
+    values in the millisecond that wrote them; with changed rows (the `mariadb` client, PDO's
+    default) and with found rows (JDBC's default)."""
+    _, client = ledger
+    now = producer.now_ms()
+    key = producer.key("Probe", "record", ["changed rows"])
+    assert [producer.write_row(key, ["changed rows"], now + 60_000, now) for _ in range(3)] == [
+        1, 2, 2,
+    ]  # fmt: skip
+    url = make_url(mysql_url)
+    found_rows = pymysql.connect(
+        host=url.host, port=url.port, user=url.username, password=url.password or "",
+        database=url.database, client_flag=CLIENT.FOUND_ROWS, autocommit=True,
+    )  # fmt: skip
+    other = producer.key("Probe", "record", ["found rows"])
+    params = [other, "Probe", "record", '["found rows"]', None, now + 60_000, now, now, None]
+    try:
+        with found_rows.cursor() as cursor:
+            sql = BLOCKS["create"].replace("?", "%s")
+            assert [cursor.execute(sql, params) for _ in range(3)] == [1, 2, 2]
+    finally:
+        found_rows.close()
+    for k in (key, other):
+        row = client.store.get(k)
+        assert row is not None and (row.created_at_ms, row.updated_at_ms) == (now, now + 2)
 
 
 _JAVA_MAIN = """

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, event
 
 from keyexpiry import Client, Did, IfExists, Scheduled, Settings, TaskRequest
+from keyexpiry.clock import ManualClock
 from keyexpiry.errors import ArgumentError, StoreError
 from keyexpiry.scheduling import decide
 from keyexpiry.store import NewTask, Outcome, Store, TaskStatus
@@ -154,18 +155,66 @@ def test_create_many_says_per_key_what_it_did(client: Client) -> None:
     assert int(client.redis.pttl("Probe@record@old-2")) > (OLD_S - 3) * 1000
 
 
-def test_bulk_replace_all_new_all_existing_and_mixed(client: Client) -> None:
+@pytest.fixture
+def frozen(client: Client, monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    """The client's clock stopped at Redis's time: its creates share a millisecond until the
+    test advances it (a create's row holds that time: two creates of a key in one millisecond
+    can write the very values the row already has)."""
+    clock = ManualClock(client.clock.now_ms())
+    monkeypatch.setattr(client, "clock", clock)
+    return clock
+
+
+@pytest.mark.parametrize("step_ms", [0, 1], ids=["same-ms", "next-ms"])
+def test_bulk_replace_all_new_all_existing_and_mixed(
+    client: Client, frozen: ManualClock, step_ms: int
+) -> None:
     """On MariaDB the first two are told by the statement's affected rows, the mix is done
-    again with the rows read first; SQLite always reads them."""
+    again with the rows read first; SQLite reads the rows inserted back. Each create in the
+    same millisecond as the one before it, or in the next."""
 
     def many(names: list[str]) -> list[Did]:
         reqs = [TaskRequest("Probe.record", (n,), ttl_s=30) for n in names]
-        return [s.outcome for s in client.create_many(reqs)]
+        done = [s.outcome for s in client.create_many(reqs)]
+        frozen.advance(step_ms)
+        return done
 
     assert many(["a", "b", "c"]) == [Did.CREATED] * 3
     assert many(["a", "b", "c"]) == [Did.REPLACED] * 3
     assert many(["c", "d", "a", "e"]) == [Did.REPLACED, Did.CREATED, Did.REPLACED, Did.CREATED]
     assert client.store.counts() == {"pending": 5}
+
+
+@pytest.mark.parametrize("path", ["single", "single-on-the-main-pool", "tx"])
+def test_creates_of_a_key_in_one_millisecond_say_created_then_replaced(
+    client: Client, settings: Settings, frozen: ManualClock, monkeypatch: pytest.MonkeyPatch,
+    path: str,
+) -> None:  # fmt: skip
+    """The second and third create write the row the first wrote, value for value: still a
+    replace, and the row's `updated_at_ms` still moves on (by a millisecond if need be).
+    "single-on-the-main-pool": the upsert of one task on MySQL/MariaDB without the autocommit
+    pool (SQLAlchemy before 2.0.43), whose connections ask for found rows."""
+    if path == "single-on-the-main-pool":
+        monkeypatch.setattr(client.store, "_autocommit", None)
+    assert settings.database_url is not None
+    engine: Engine = create_engine(settings.database_url)
+
+    def create() -> Scheduled:
+        if path != "tx":
+            return client.create("Probe.record", "same-ms", ttl_s=30)
+        with engine.begin() as conn:
+            return client.create("Probe.record", "same-ms", ttl_s=30, tx=conn)
+
+    try:
+        got = [create(), create(), create()]
+    finally:
+        engine.dispose()
+    assert [s.outcome for s in got] == [Did.CREATED, Did.REPLACED, Did.REPLACED]
+    row = client.store.get(got[0])
+    assert row is not None and row.status is TaskStatus.PENDING
+    assert (row.created_at_ms, row.due_at_ms) == (frozen.now_ms(), frozen.now_ms() + 30_000)
+    assert row.updated_at_ms == frozen.now_ms() + 2
+    assert 0 < int(client.redis.pttl(got[0])) <= 30_000
 
 
 def _plain(count: int) -> list[TaskRequest]:

@@ -26,7 +26,7 @@ from keyexpiry.store import TaskStatus
 from keyexpiry.web import create_app
 from tests import sample_tasks
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 record = sample_tasks.Probe.record
 
@@ -69,9 +69,10 @@ def test_every_request_needs_the_token(settings: Settings, client: Client) -> No
 
 def test_without_a_token_only_loopback_is_served(settings: Settings, client: Client) -> None:
     app = create_app(settings)
-    with TestClient(app, client=("127.0.0.1", 5000)) as tc:
+    # A loopback Host too (DNS rebinding: tests/test_http_hostile.py).
+    with TestClient(app, base_url="http://localhost:8080", client=("127.0.0.1", 5000)) as tc:
         assert tc.get("/").status_code == 200
-    with TestClient(app, client=("10.1.2.3", 5000)) as tc:
+    with TestClient(app, base_url="http://localhost:8080", client=("10.1.2.3", 5000)) as tc:
         resp = tc.get("/")
         assert resp.status_code == 403 and "loopback" in resp.text
     runner = CliRunner()

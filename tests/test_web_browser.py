@@ -22,7 +22,7 @@ from tests import sample_tasks
 from tests.ke import Running, wait_status
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"  # `make servers` installs it
-TOKEN = "browser-token"
+TOKEN = "browser-token-0123456789"
 StartListener = Callable[[Settings], Running]
 
 # Chromium's background services try the (closed) network at every start; the sandbox needs

@@ -72,18 +72,30 @@ def _build_wheel(tmp_path: Path, env: dict[str, str]) -> Path:
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, ignore=NOT_SOURCE)
     dist = tmp_path / "dist"
-    _run(
-        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q", "-w", str(dist)],
+    # -v: the build backend's own output, where setuptools prints its warnings.
+    log = _run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-v", "-w", str(dist)],
         cwd=tmp_path,
         env=env,
         timeout_s=180,
     )
+    warned = [
+        line
+        for line in log.splitlines()
+        if "Warning" in line or "deprecated" in line.lower() or "absent from" in line
+    ]
+    assert not warned, "\n".join(warned)
     (wheel,) = dist.glob("keyexpiry-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"keyexpiry"}, tops
     for module in ("examples/orders.py", "examples/schema.py", "bench/run.py", "bench/tasks.py"):
         assert f"keyexpiry/{module}" in names
+    for data in ("web/templates/base.html", "web/static/dashboard.css", "py.typed"):
+        assert f"keyexpiry/{data}" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    assert "License-Expression: MIT" in zipfile.ZipFile(wheel).read(metadata).decode()
     return wheel
 
 
@@ -109,6 +121,8 @@ def test_the_wheel_runs_demo_and_bench_from_an_empty_directory(tmp_path: Path) -
         env.pop("XDG_STATE_HOME", None)
         keyexpiry = str(venv / "bin" / "keyexpiry")
 
+        version = _run([keyexpiry, "--version"], cwd=empty, env=env, timeout_s=60)
+        assert version.strip() == "keyexpiry 0.1.0", version
         demo = _run([keyexpiry, "demo"], cwd=empty, env=env, timeout_s=120)
         assert "OrderTimeout@close_unpaid@218" in demo and "business data now" in demo, demo
 

@@ -23,15 +23,26 @@ from starlette.routing import Route
 
 from keyexpiry.client import Client
 from keyexpiry.errors import KeyExpiryError
+from keyexpiry.printable import for_html
 from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.settings import Settings
 from keyexpiry.table import EARLIER_ERRORS
-from keyexpiry.web.security import SECURITY_HEADERS, Csrf, Guard
+from keyexpiry.web.security import Csrf, Guard
 
 _HERE = Path(__file__).parent
 _LIST_ROWS = 20
 _CHART_BUCKET_S = 300
 _CHART_BUCKETS = 12  # the next hour in 5-minute bars
+MESSAGES = {
+    "requeued": "requeued: runs now",
+    "not-retryable": "not dead or waiting",
+    "due-now": "due now",
+    "not-runnable": "not pending: nothing to run",
+    "cancelled": "cancelled",
+    "not-cancellable": "not pending: nothing cancelled",
+}
+"""What an action's redirect may show, by the code in its `msg=`: a link cannot make the
+dashboard show text of its author's choosing."""
 
 
 def _fmt_ms(ms: int | None) -> str:
@@ -84,6 +95,7 @@ class Dashboard:
             autoescape=select_autoescape(["html"]),
             trim_blocks=True,
             lstrip_blocks=True,
+            finalize=for_html,  # control characters in any value shown, not sent raw
         )
         self.env.filters["when"] = _fmt_ms
         self.env.filters["headline"] = _headline
@@ -103,17 +115,21 @@ class Dashboard:
                 self._client.close()
             self._client = None
 
-    def render(self, request: Request, name: str, code: int = 200, **ctx: Any) -> Response:
+    def render(
+        self, request: Request, name: str, code: int = 200, message: str | None = None, **ctx: Any
+    ) -> Response:
+        """A page; `message` (else the one `msg=` names, if any) shown at its top."""
         now_ms = ctx.get("now_ms") or self.client.clock.now_ms()
         html = self.env.get_template(name).render(
             request=request,
             url=lambda route, **q: _url(request, route, **q),
             csrf=self.csrf.token,
             ago=lambda ms: _ago(ms, now_ms),
-            message=request.query_params.get("msg"),
+            message=message or MESSAGES.get(request.query_params.get("msg", "")),
             **ctx,
         )
-        return HTMLResponse(html, status_code=code, headers=SECURITY_HEADERS)
+        # The security headers are added to every response by Guard.
+        return HTMLResponse(html, status_code=code)
 
     # --- pages --------------------------------------------------------------------------------
     def index(self, request: Request) -> Response:
@@ -159,15 +175,22 @@ class Dashboard:
         )
 
     def task(self, request: Request) -> Response:
-        key = request.query_params.get("key", "")
+        return self.task_page(request, request.query_params.get("key", ""))
+
+    def task_page(
+        self, request: Request, key: str, message: str | None = None, code: int = 200
+    ) -> Response:
+        """The page of the task `key`, with `message` at its top (an action's error)."""
         row = self.client.store.get(key) if key else None
         if row is None:
-            return self.render(request, "missing.html", 404, key=key)
+            return self.render(request, "missing.html", 404, message, key=key)
         pttl = int(self.client.redis.pttl(key))
         errors = row.last_error.split(EARLIER_ERRORS) if row.last_error else []
         return self.render(
             request,
             "task.html",
+            code,
+            message,
             row=row,
             ttl_ms=pttl if pttl >= 0 else None,
             errors=errors,
@@ -185,21 +208,30 @@ class Dashboard:
         if not self.csrf.valid(request, form.get("csrf")):
             return PlainTextResponse("bad or missing CSRF token\n", status_code=403)
         action, key = request.path_params["action"], form.get("key", "")
+        if action not in ("retry", "run", "cancel"):
+            return PlainTextResponse("unknown action: retry, run or cancel\n", status_code=404)
         try:
-            message = await run_in_threadpool(self._do, action, key)
+            code = await run_in_threadpool(self._do, action, key)
         except KeyExpiryError as exc:
-            message = f"error: {exc}"
-        return RedirectResponse(_url(request, "task", key=key, msg=message), status_code=303)
+            return await run_in_threadpool(self._failed, request, key, exc)
+        return RedirectResponse(_url(request, "task", key=key, msg=code), status_code=303)
+
+    def _failed(self, request: Request, key: str, exc: KeyExpiryError) -> Response:
+        """An action's error, in this answer (never through a link: the text is the error's
+        own), on the task's page when that can still be shown."""
+        try:
+            return self.task_page(request, key, f"error: {exc}", 400)
+        except KeyExpiryError:
+            return PlainTextResponse(f"error: {exc}\n", status_code=400)
 
     def _do(self, action: str, key: str) -> str:
+        """Do `action` on `key`; the code (in MESSAGES) of what happened."""
         client = self.client
         if action == "retry":
-            return "requeued: runs now" if client.retry_keys([key]) else "not dead or waiting"
+            return "requeued" if client.retry_keys([key]) else "not-retryable"
         if action == "run":
-            return "due now" if client.run_now([key]) else "not pending: nothing to run"
-        if action == "cancel":
-            return "cancelled" if client.cancel_keys([key]) else "not pending: nothing cancelled"
-        return f"unknown action {action!r}"
+            return "due-now" if client.run_now([key]) else "not-runnable"
+        return "cancelled" if client.cancel_keys([key]) else "not-cancellable"
 
     def _key_prefix(self, query: str) -> str:
         """A key, `Class`, `Class.method` or `Class@method@args`: the key prefix to look up."""
@@ -246,15 +278,18 @@ def create_app(
     """The dashboard as an ASGI app: serve it with `keyexpiry web`, or mount it in your own
     Starlette/FastAPI app (`app.mount("/tasks", create_app(settings, token=...))`).
 
-    With `token`, every request needs `Authorization: Bearer TOKEN` (or Basic, password TOKEN);
-    without one only loopback clients are served. Mounted, call the returned app's `close()`
+    With `token` (at least 16 characters, else ConfigError), every request needs
+    `Authorization: Bearer TOKEN` (or Basic, password TOKEN), and `Host` must be one of
+    `settings.web_allowed_hosts` when that is set; without one only loopback clients using a
+    loopback `Host` (or one listed) are served. Mounted, call the returned app's `close()`
     from your app's shutdown: a mounted app's lifespan is not run, and the `Client` it opened
     would keep its connections.
     """
+    if settings is None:
+        settings = client.settings if client is not None else Settings.from_env()
+    resolved = settings
     dashboard = Dashboard(
-        (lambda: client)
-        if client is not None
-        else (lambda: Client(settings or Settings.from_env())),
+        (lambda: client) if client is not None else (lambda: Client(resolved)),
         Csrf(),
         owns_client=client is None,
     )
@@ -274,4 +309,6 @@ def create_app(
         ],
         lifespan=lifespan,
     )
-    return Guard(app, token=token, on_close=dashboard.close)
+    return Guard(
+        app, token=token, allowed_hosts=settings.web_allowed_hosts, on_close=dashboard.close
+    )

@@ -1,6 +1,8 @@
 """Who may see the dashboard and act through it: a bearer token (or HTTP Basic with the token as
-password, so a browser prompts), loopback only when there is no token, and a CSRF token on every
-action (a browser resends Basic credentials on a cross-site POST; the token it cannot read)."""
+password, so a browser prompts), loopback only when there is no token, a Host check against DNS
+rebinding, and a CSRF token on every action (a browser resends Basic credentials on a
+cross-site POST; the token it cannot read). Every response carries the security headers, and a
+request body is capped before anything reads it."""
 
 from __future__ import annotations
 
@@ -10,13 +12,38 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+import anyio
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from keyexpiry.errors import ConfigError
 
 REALM = "keyexpiry"
+MIN_TOKEN_CHARS = 16
+"""Shortest accepted token: 16 random characters are beyond guessing at any rate."""
+MAX_BODY_BYTES = 64 * 1024
+"""Largest request body read (an action's form is a key and a CSRF token: well under 2 KiB)."""
+FAILURE_DELAY_S = 1.0
+"""A request with wrong credentials is answered 401 this much later."""
+MAX_DELAYED_FAILURES = 16
+"""Wrong attempts waiting out their delay at once; beyond, requests with credentials are
+answered 429 at once without being checked: guessing stays at most 16 a second, and the wait
+costs a sleeping coroutine, never a thread."""
+
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "form-action 'self'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+"""Sent with every response (a header the response sets itself, e.g. the stylesheet's
+Cache-Control, is kept): no framing (clickjacking), no inline script, no caching of task data."""
 
 
 def is_loopback(host: str | None) -> bool:
@@ -28,6 +55,17 @@ def is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
         return False
+
+
+def check_token(token: str) -> None:
+    """Raise ConfigError when `token` is too short to stand between the network and the
+    dashboard's actions."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"the dashboard token (KEYEXPIRY_WEB_TOKEN) must be at least {MIN_TOKEN_CHARS} "
+            f"characters (got {len(token)}); make one with: "
+            "python -c 'import secrets; print(secrets.token_urlsafe(24))'"
+        )
 
 
 def token_matches(header: str | None, token: str) -> bool:
@@ -48,14 +86,100 @@ def token_matches(header: str | None, token: str) -> bool:
     return False
 
 
+def host_name(header: str | None) -> str | None:
+    """The name in a `Host` header, lower-case, without its port or an IPv6 address's
+    brackets; None when there is none or it is malformed."""
+    text = (header or "").strip().lower()
+    if text.startswith("["):
+        name, closed, rest = text[1:].partition("]")
+        if not closed:
+            return None
+    else:
+        name, _, port = text.partition(":")
+        rest = f":{port}" if port else ""
+    if not name or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+        return None
+    return name
+
+
+class HostCheck:
+    """Which `Host` names are served. A DNS-rebinding page reaches a loopback server under the
+    attacker's own name, so without a token only loopback names (and the address the request
+    came in on) are; with a token the token protects, and `allowed` narrows the names."""
+
+    def __init__(self, allowed: Iterable[str], *, token_set: bool) -> None:
+        self.allowed = tuple(h.lower().strip("[]") for h in allowed)
+        self.token_set = token_set
+
+    def accepts(self, name: str | None, bound: str | None) -> bool:
+        """Whether a request whose Host is `name` (see `host_name`) is served; `bound` is the
+        local address it arrived on."""
+        if name is None:
+            return False
+        if any(
+            name == h or h == "*" or (h[:2] == "*." and name.endswith(h[1:])) for h in self.allowed
+        ):
+            return True
+        if self.token_set:
+            return not self.allowed
+        return name == "localhost" or _is_loopback_ip(name) or name == (bound or "").lower()
+
+    def refusal(self, header: str | None) -> str:
+        """The one line that says why `header` was refused and what would be accepted."""
+        shown = repr((header or "")[:80])
+        if self.token_set:
+            return f"keyexpiry web: Host {shown} is not in KEYEXPIRY_WEB_ALLOWED_HOSTS\n"
+        return (
+            f"keyexpiry web: Host {shown} refused: without KEYEXPIRY_WEB_TOKEN only loopback "
+            "names (localhost, 127.0.0.1, [::1]) are served, against DNS rebinding; list other "
+            "names in KEYEXPIRY_WEB_ALLOWED_HOSTS\n"
+        )
+
+
+def _is_loopback_ip(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class _FailureThrottle:
+    """Wrong credentials answered late, with a bound on how many wait at once (see
+    `MAX_DELAYED_FAILURES`). The dashboard runs on one event loop: a plain counter holds."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+
+    @property
+    def saturated(self) -> bool:
+        return self.waiting >= MAX_DELAYED_FAILURES
+
+    async def delay(self) -> None:
+        self.waiting += 1
+        try:
+            await anyio.sleep(FAILURE_DELAY_S)
+        finally:
+            self.waiting -= 1
+
+
 class Guard:
-    """ASGI middleware: every request authenticated (or from loopback when there is no token)."""
+    """ASGI middleware in front of every request: Host, peer, credentials, body size; and the
+    security headers on every response, errors included."""
 
     def __init__(
-        self, app: ASGIApp, *, token: str | None, on_close: Callable[[], None] | None = None
+        self,
+        app: ASGIApp,
+        *,
+        token: str | None,
+        allowed_hosts: Iterable[str] = (),
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.app = app
         self.token = token or None
+        if self.token is not None:
+            check_token(self.token)
+        self.hosts = HostCheck(allowed_hosts, token_set=self.token is not None)
+        self._throttle = _FailureThrottle()
         self._on_close = on_close
 
     def close(self) -> None:
@@ -69,14 +193,28 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request = Request(scope)
-        refusal = self._refusal(request)
-        if refusal is not None:
-            await refusal(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
-    def _refusal(self, request: Request) -> Response | None:
+        async def send_secured(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    headers.setdefault(name, value)
+            await send(message)
+
+        refusal = await self._refusal(Request(scope))
+        if refusal is None:
+            body = await _read_body(scope, receive)
+            if isinstance(body, list):
+                await self.app(scope, _replay(body, receive), send_secured)
+                return
+            refusal = body
+        await refusal(scope, receive, send_secured)
+
+    async def _refusal(self, request: Request) -> Response | None:
+        header = request.headers.get("host")
+        bound = request.scope.get("server")
+        if not self.hosts.accepts(host_name(header), bound[0] if bound else None):
+            return PlainTextResponse(self.hosts.refusal(header), status_code=403)
         if self.token is None:
             peer = request.client.host if request.client else None
             if is_loopback(peer):
@@ -85,13 +223,60 @@ class Guard:
                 "keyexpiry web: no KEYEXPIRY_WEB_TOKEN is set, so only loopback may connect\n",
                 status_code=403,
             )
-        if token_matches(request.headers.get("authorization"), self.token):
+        credentials = request.headers.get("authorization")
+        if credentials and self._throttle.saturated:
+            # Checked now, a right answer would tell a guesser apart from the wrong ones.
+            return PlainTextResponse(
+                "too many failed attempts: try again in a few seconds\n",
+                status_code=429,
+                headers={"Retry-After": "2"},
+            )
+        if token_matches(credentials, self.token):
             return None
+        if credentials:
+            await self._throttle.delay()
         return PlainTextResponse(
             "authentication required\n",
             status_code=401,
             headers={"WWW-Authenticate": f'Basic realm="{REALM}", charset="UTF-8"'},
         )
+
+
+async def _read_body(scope: Scope, receive: Receive) -> list[Message] | Response:
+    """The request's body messages, read up to `MAX_BODY_BYTES`; a refusal beyond that (or for
+    a Content-Length saying so, before reading anything)."""
+    too_large = PlainTextResponse(
+        f"request body over {MAX_BODY_BYTES} bytes\n",
+        status_code=413,
+        headers={"Connection": "close"},
+    )
+    length = Headers(scope=scope).get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        return too_large
+    messages: list[Message] = []
+    size = 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages  # the client went away: the app hears it
+        size += len(message.get("body", b""))
+        if size > MAX_BODY_BYTES:
+            return too_large
+        if not message.get("more_body", False):
+            return messages
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """`receive` that first hands out `messages` (the body already read)."""
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
 
 
 class Csrf:
@@ -102,22 +287,13 @@ class Csrf:
         self.token = hmac.new(self._secret, b"keyexpiry-web-actions", hashlib.sha256).hexdigest()
 
     def valid(self, request: Request, submitted: str | None) -> bool:
-        """The form's token matches, and the browser's Origin (when it sends one) is this site."""
+        """The form's token matches, and the browser's Origin (when it sends one) is this site.
+        The Host it is compared with was checked by `Guard` (a rebinding page's Origin and Host
+        are both the attacker's name, which `Guard` refuses)."""
         if not submitted or not hmac.compare_digest(submitted.encode(), self.token.encode()):
             return False
         origin = request.headers.get("origin")
         if origin and origin != "null":
             host = request.headers.get("host", "")
-            return origin.split("://", 1)[-1] == host
+            return origin.split("://", 1)[-1].lower() == host.lower()
         return True
-
-
-SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; style-src 'self'; img-src 'self' data:; "
-    "form-action 'self'; frame-ancestors 'none'",
-    "X-Frame-Options": "DENY",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "same-origin",
-    "Cache-Control": "no-store",
-}
-"""Sent with every page: no framing (clickjacking), no inline script, no caching of task data."""

@@ -1,0 +1,441 @@
+"""Hostile clients of the HTTP surfaces, against real servers: the listener's `--http` port
+(half-finished requests, oversized heads, HEAD) and the dashboard (DNS rebinding, weak tokens,
+guessing, missing headers, big bodies, crafted messages)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from email.message import Message
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+import uvicorn
+from sqlalchemy import text
+from starlette.testclient import TestClient
+from typer.testing import CliRunner
+
+from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import free_port, wait_until
+from keyexpiry.cli import app as cli_app
+from keyexpiry.endpoints import HttpLimits
+from keyexpiry.errors import ConfigError
+from keyexpiry.store import TaskStatus
+from keyexpiry.web import create_app
+from keyexpiry.web.security import FAILURE_DELAY_S, MAX_BODY_BYTES, SECURITY_HEADERS
+from tests import sample_tasks
+from tests.ke import Running, wait_status
+
+StartListener = Callable[[Settings], Running]
+HALF_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+"""A request head that never ends (no blank line): the slowloris connection."""
+
+
+TOKEN = "t0ken-of-the-hostile-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+"""The dashboard's HTTP handling does not depend on the ledger's kind."""
+
+
+def http(
+    url: str,
+    method: str = "GET",
+    timeout_s: float = 5,
+    headers: dict[str, str] | None = None,
+    data: bytes | None = None,
+) -> tuple[int, Message, bytes]:
+    """Status, headers (any case) and body of one request (errors included)."""
+    req = urllib.request.Request(url, method=method, headers=headers or {}, data=data)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read()
+
+
+def half_requests(port: int, count: int) -> list[socket.socket]:
+    """`count` connections that each send a partial request head and then nothing."""
+    socks: list[socket.socket] = []
+    for _ in range(count):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=0.5)
+        except OSError:
+            continue  # the backlog is full: the server stopped accepting
+        try:
+            sock.sendall(HALF_REQUEST)
+        except OSError:
+            pass  # already closed by the server: that is allowed
+        socks.append(sock)
+    return socks
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed this connection (EOF or reset is readable)."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return sock.recv(4096) == b""
+    except OSError:
+        return True
+
+
+@pytest.fixture
+def listener_process(cli_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[int, int]]:
+    """`keyexpiry listen --http` in a process allowed 256 descriptors: (pid, port)."""
+    port = free_port()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    with (tmp_path / "listener.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "keyexpiry", "listen", "--http", f"127.0.0.1:{port}"],
+            env={**os.environ, **cli_env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=few_descriptors,
+        )
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError((tmp_path / "listener.log").read_text())
+            try:
+                return http(f"http://127.0.0.1:{port}/readyz", timeout_s=1)[0] == 200
+            except OSError:
+                return False
+
+        wait_until(up, 30, interval_s=0.05, message="the listener never became ready")
+        yield proc.pid, port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# --- the listener's --http port -----------------------------------------------------------------
+
+
+def test_half_finished_requests_cannot_starve_the_port_or_the_listener(
+    listener_process: tuple[int, int], cli_env: dict[str, str], redis_url: str
+) -> None:
+    """The issue's attack, scaled to a 256-descriptor listener: 300 connections that never
+    finish their request used to take every descriptor (the port hung, accept() spun, and a
+    reconnect to Redis failed with EMFILE)."""
+    pid, port = listener_process
+    url = f"http://127.0.0.1:{port}"
+    proc = psutil.Process(pid)
+    cpu_before, wall_before = sum(proc.cpu_times()[:2]), time.monotonic()
+    attackers = half_requests(port, 300)
+    try:
+        assert len(attackers) >= 250, "the port stopped accepting connections"
+        started = time.monotonic()
+        assert http(f"{url}/healthz", timeout_s=3)[:1] == (200,)
+        assert time.monotonic() - started < 1.0, "/healthz was slow under the attack"
+        # Drop the listener's pub/sub connection: it must find a descriptor to reconnect.
+        with redis.Redis.from_url(redis_url) as admin:
+            assert admin.client_kill_filter(_type="pubsub") >= 1
+        with Client(Settings.from_env(cli_env)) as client:
+            key = client.create(sample_tasks.Probe.record, "under-attack", ttl_ms=500)
+            row = wait_status(client, key, TaskStatus.DONE, timeout_s=15)
+        assert row.started_at_ms is not None
+        assert row.started_at_ms - row.due_at_ms < 2000, "the task ran late under the attack"
+        wait_until(lambda: http(f"{url}/readyz")[0] == 200, 10, message="never ready again")
+        cpu_used = sum(proc.cpu_times()[:2]) - cpu_before
+        wall = time.monotonic() - wall_before
+        assert cpu_used < 0.5 * wall, f"the listener burnt {cpu_used:.1f} CPU-s in {wall:.1f} s"
+        # Every half-finished connection is closed within the head timeout (most at once).
+        wait_until(
+            lambda: all(closed_by_server(s) for s in attackers),
+            HttpLimits().head_timeout_s + 5,
+            interval_s=0.1,
+            message="half-finished connections were kept open",
+        )
+    finally:
+        for sock in attackers:
+            sock.close()
+
+
+def test_a_trickled_request_head_is_cut_at_the_head_timeout(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    """A byte now and then resets no per-read timer: the whole head has one deadline."""
+    endpoints = start_listener(settings.replace(http="127.0.0.1:0")).listener.endpoints
+    assert endpoints is not None
+    sock = socket.create_connection(("127.0.0.1", endpoints.port), timeout=5)
+    started = time.monotonic()
+
+    def cut() -> bool:
+        try:
+            sock.sendall(b"X")  # a header line that never ends, one byte per poll
+        except OSError:
+            return True
+        return closed_by_server(sock)
+
+    try:
+        wait_until(cut, 15, interval_s=0.5, message="a trickled head was never cut")
+    finally:
+        sock.close()
+    elapsed = time.monotonic() - started
+    limit = endpoints.limits.head_timeout_s
+    assert limit - 0.5 < elapsed < limit + 2, elapsed
+
+
+def test_a_huge_request_head_is_refused(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    endpoints = start_listener(settings.replace(http="127.0.0.1:0")).listener.endpoints
+    assert endpoints is not None
+    headers = "".join(f"X-Pad-{i}: {'a' * 1000}\r\n" for i in range(60))
+    with socket.create_connection(("127.0.0.1", endpoints.port), timeout=5) as sock:
+        sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+        answer = sock.recv(200)
+    assert answer.startswith(b"HTTP/1.0 431 "), answer
+
+
+def test_head_works_on_every_endpoint_and_other_methods_are_405(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    endpoints = start_listener(settings.replace(http="127.0.0.1:0")).listener.endpoints
+    assert endpoints is not None
+    url = f"http://127.0.0.1:{endpoints.port}"
+    for path in ("/metrics", "/healthz", "/readyz"):
+        status, headers, body = http(url + path, method="HEAD")
+        assert status == 200 and body == b"", (path, status)
+        get_status, _, get_body = http(url + path)
+        assert get_status == 200
+        if path != "/metrics":  # a scrape's numbers move between two requests
+            assert int(headers["Content-Length"]) == len(get_body)
+        else:
+            assert int(headers["Content-Length"]) > 0
+    status, headers, _ = http(url + "/metrics", method="POST")
+    assert status == 405 and headers["Allow"] == "GET, HEAD"
+
+
+# --- the dashboard ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[int]:
+    """`app` served by uvicorn on a loopback port, as `keyexpiry web` serves it: the port."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 15, message="uvicorn did not start")
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def csrf_of(page: bytes | str) -> str:
+    found = re.search(
+        r'name="csrf" value="([0-9a-f]+)"', page if isinstance(page, str) else page.decode()
+    )
+    assert found, "no CSRF token in the page"
+    return found.group(1)
+
+
+@SQLITE_ONLY
+def test_a_dns_rebinding_page_is_refused_without_a_token(
+    settings: Settings, client: Client
+) -> None:
+    """The issue's attack: a page on attacker.example, rebound to 127.0.0.1, loads the dashboard
+    (Host: attacker.example:PORT) and posts a cancel with its own Origin."""
+    key = client.create(sample_tasks.Probe.record, "rebound", ttl_s=600)
+    with serving(create_app(settings)) as port:
+        url = f"http://127.0.0.1:{port}"
+        evil = {"Host": f"attacker.example:{port}", "Origin": f"http://attacker.example:{port}"}
+        status, headers, body = http(f"{url}/", headers=evil)
+        assert status == 403 and b"DNS rebinding" in body, (status, body)
+        assert headers["X-Frame-Options"] == "DENY"
+        # Even with a token read off a genuine page, the rebound POST is refused.
+        token = csrf_of(http(f"{url}/task?key={key}")[2])
+        form = f"key={key}&csrf={token}".encode()
+        status, _, _ = http(f"{url}/task/cancel", "POST", headers=evil, data=form)
+        assert status == 403
+        assert client.store.get(key).status is TaskStatus.PENDING  # type: ignore[union-attr]
+        for host in ("localhost", "127.0.0.1", "127.8.9.10", "[::1]", "LOCALHOST"):
+            status, _, _ = http(f"{url}/", headers={"Host": f"{host}:{port}"})
+            assert status == 200, host
+        for host in ("localhost.attacker.example", "127.0.0.1.nip.io", "[::1", "a:b:c", ""):
+            status, _, _ = http(f"{url}/", headers={"Host": host})
+            assert status == 403, host
+
+
+@SQLITE_ONLY
+def test_the_operator_lists_the_hosts_the_dashboard_answers_to(
+    settings: Settings, client: Client
+) -> None:
+    env = {"KEYEXPIRY_WEB_ALLOWED_HOSTS": "tasks.example.com, *.ops.example"}
+    listed = Settings.from_env(env).web_allowed_hosts
+    assert listed == ("tasks.example.com", "*.ops.example")
+    for bad in ("a b", "http://x", "x/y", "*evil"):
+        with pytest.raises(ConfigError, match="web_allowed_hosts"):
+            settings.replace(web_allowed_hosts=(bad,))
+    app = create_app(settings.replace(web_allowed_hosts=listed), token=TOKEN)
+    with TestClient(app, headers=AUTH) as tc:
+        for host, status in (
+            ("tasks.example.com", 200),
+            ("TASKS.example.com:8443", 200),
+            ("eu.ops.example", 200),
+            ("ops.example", 403),
+            ("attacker.example", 403),
+            ("localhost", 403),  # with a list, only the list
+        ):
+            assert tc.get("/", headers={"Host": host}).status_code == status, host
+    # Without a list, a token-protected dashboard answers to any name (the token protects it).
+    with TestClient(create_app(settings, token=TOKEN), headers=AUTH) as tc:
+        assert tc.get("/", headers={"Host": "dashboard.internal"}).status_code == 200
+    # Without a token, listed names come on top of the loopback ones.
+    tokenless = create_app(settings.replace(web_allowed_hosts=("tasks.internal",)))
+    with TestClient(tokenless, client=("127.0.0.1", 5000)) as tc:
+        assert tc.get("/", headers={"Host": "tasks.internal"}).status_code == 200
+        assert tc.get("/", headers={"Host": "localhost"}).status_code == 200
+        assert tc.get("/", headers={"Host": "other.internal"}).status_code == 403
+
+
+@SQLITE_ONLY
+def test_a_short_token_is_refused_in_one_line(
+    settings: Settings, client: Client, cli_env: dict[str, str]
+) -> None:
+    for weak in ("x", "a" * 15):
+        with pytest.raises(ConfigError, match="at least 16 characters"):
+            create_app(settings, token=weak)
+    create_app(settings, token="a" * 16)
+    result = CliRunner().invoke(
+        cli_app,
+        ["web", "--bind", f"0.0.0.0:{free_port()}"],
+        env={**cli_env, "KEYEXPIRY_WEB_TOKEN": "x"},
+    )
+    assert result.exit_code == 1 and "at least 16 characters" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@SQLITE_ONLY
+def test_wrong_credentials_are_slowed_and_guessing_is_bounded(
+    settings: Settings, client: Client
+) -> None:
+    with serving(create_app(settings, token=TOKEN)) as port:
+        url = f"http://127.0.0.1:{port}/"
+        started = time.monotonic()
+        assert http(url)[0] == 401  # no credentials: a browser's first visit, not a guess
+        assert time.monotonic() - started < FAILURE_DELAY_S / 2
+        started = time.monotonic()
+        assert http(url, headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert time.monotonic() - started >= FAILURE_DELAY_S * 0.9
+        # A burst of guesses: 16 wait out their second, the rest are refused at once unread.
+        with ThreadPoolExecutor(48) as pool:
+            answers = list(
+                pool.map(
+                    lambda i: http(
+                        url, headers={"Authorization": f"Bearer guess-{i}"}, timeout_s=10
+                    ),
+                    range(48),
+                )
+            )
+        statuses = [status for status, _, _ in answers]
+        assert set(statuses) == {401, 429}, statuses
+        assert statuses.count(401) <= 32, statuses
+        refused = next(a for a in answers if a[0] == 429)
+        assert refused[1]["Retry-After"] and refused[1]["X-Content-Type-Options"] == "nosniff"
+        wait_until(lambda: http(url, headers=AUTH)[0] == 200, 10, message="locked out for good")
+
+
+@SQLITE_ONLY
+def test_every_response_carries_the_security_headers(settings: Settings, client: Client) -> None:
+    def secured(resp: Any) -> bool:
+        return all(
+            resp.headers.get(name) == value
+            for name, value in SECURITY_HEADERS.items()
+            if name != "Cache-Control"
+        )
+
+    with TestClient(create_app(settings, token=TOKEN)) as tc:
+        assert tc.get("/").status_code == 401 and secured(tc.get("/"))
+        assert tc.get("/nope", headers=AUTH).status_code == 404
+        assert secured(tc.get("/nope", headers=AUTH))
+        assert tc.get("/task/retry", headers=AUTH).status_code == 405
+        assert secured(tc.get("/task/retry", headers=AUTH))
+        bad_csrf = tc.post("/task/retry", data={"key": "k"}, headers=AUTH)
+        assert bad_csrf.status_code == 403 and secured(bad_csrf)
+        page = tc.get("/", headers=AUTH)
+        assert secured(page) and page.headers["Cache-Control"] == "no-store"
+        css = tc.get("/static/dashboard.css", headers=AUTH)
+        assert secured(css) and css.headers["Cache-Control"] == "max-age=3600"  # its own kept
+    # A server error (Redis unreachable): the 500 is secured too.
+    down = settings.replace(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    with TestClient(create_app(down, token=TOKEN), raise_server_exceptions=False) as tc:
+        failed = tc.get("/", headers=AUTH)
+        assert failed.status_code == 500 and secured(failed)
+
+
+@SQLITE_ONLY
+def test_a_big_request_body_is_refused_before_it_is_read(
+    settings: Settings, client: Client
+) -> None:
+    key = client.create(sample_tasks.Probe.record, "small", ttl_s=600)
+    with serving(create_app(settings, token=TOKEN)) as port:
+        url = f"http://127.0.0.1:{port}"
+        # Declared 50 MB, nothing sent: refused at once, not after waiting for (and holding) it.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(
+                f"POST /task/cancel HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Authorization: Bearer {TOKEN}\r\nContent-Length: {50 * 1024 * 1024}\r\n"
+                "Content-Type: application/x-www-form-urlencoded\r\n\r\n".encode()
+            )
+            assert sock.recv(100).startswith(b"HTTP/1.1 413 ")
+
+        # Streamed without a length (chunked): cut once past the limit.
+        def chunks() -> Iterator[bytes]:
+            for _ in range(2 * MAX_BODY_BYTES // 4096):
+                yield b"a" * 4096
+
+        with TestClient(create_app(settings, token=TOKEN), headers=AUTH) as tc:
+            resp = tc.post("/task/cancel", content=chunks())
+            assert resp.status_code == 413 and resp.headers["X-Frame-Options"] == "DENY"
+            token = csrf_of(tc.get("/task", params={"key": key}).text)
+            small = tc.post("/task/cancel", data={"key": key, "csrf": token, "pad": "p" * 60_000})
+            assert small.status_code == 200 and "cancelled" in small.text
+        assert http(f"{url}/", headers=AUTH)[0] == 200
+
+
+@SQLITE_ONLY
+def test_a_crafted_link_cannot_put_words_on_the_dashboard(
+    settings: Settings, client: Client
+) -> None:
+    key = client.create(sample_tasks.Probe.record, "msg", ttl_s=600)
+    with TestClient(create_app(settings, token=TOKEN), headers=AUTH) as tc:
+        crafted = "Session expired: log in again at evil.example"
+        page = tc.get("/task", params={"key": key, "msg": crafted}).text
+        assert "evil.example" not in page and 'class="flash"' not in page
+        page = tc.get("/task", params={"key": key, "msg": "cancelled"}).text
+        assert '<p class="flash" role="status">cancelled</p>' in page
+        token = csrf_of(page)
+        done = tc.post("/task/cancel", data={"key": key, "csrf": token}, follow_redirects=False)
+        assert done.headers["location"].endswith("&msg=cancelled")
+        assert tc.post("/task/evil", data={"key": key, "csrf": token}).status_code == 404
+        # An action's error is shown in its own answer, never through a link.
+        with client.store.engine.begin() as conn:
+            conn.execute(text("DROP TABLE time_limit_task"))
+        failed = tc.post("/task/run", data={"key": key, "csrf": token}, follow_redirects=False)
+        assert failed.status_code == 400 and "error:" in failed.text
+        assert "location" not in failed.headers
