@@ -17,10 +17,10 @@ from keyexpiry.errors import (
     TaskNotFoundError,
     UnknownTaskError,
 )
-from keyexpiry.listener import Listener
+from keyexpiry.ledger.rows import TaskRow, TaskStatus
+from keyexpiry.ledger.scheduling import Did, IfExists, Scheduled
+from keyexpiry.listener.listener import Listener
 from keyexpiry.registry import Registry, default_registry, exposed, task
-from keyexpiry.rows import TaskRow, TaskStatus
-from keyexpiry.scheduling import Did, IfExists, Scheduled
 from keyexpiry.settings import Settings
 
 __all__ = [

@@ -23,7 +23,8 @@ from typer.core import TyperArgument, TyperCommand
 from keyexpiry.errors import ConfigError, KeyExpiryError
 from keyexpiry.limits import MAX_LIST_ROWS
 from keyexpiry.log import configure_logging
-from keyexpiry.settings import Settings, redact
+from keyexpiry.masking import redact
+from keyexpiry.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -113,7 +114,7 @@ def _errors(func: F) -> F:
         except Exception as exc:
             import redis
 
-            from keyexpiry.redis_server import describe_redis_error
+            from keyexpiry.redis.server import describe_redis_error
 
             if not isinstance(exc, redis.RedisError):
                 raise
@@ -222,7 +223,7 @@ def listen(
     ),
 ) -> None:
     """Run the listener until SIGTERM/SIGINT."""
-    from keyexpiry.listener import Listener
+    from keyexpiry.listener.listener import Listener
 
     settings = _settings(
         ctx,
@@ -427,7 +428,7 @@ def listeners(
 ) -> None:
     """The listeners sharing this ledger: id, host, started, last heartbeat, running tasks and
     their share of the task keys."""
-    from keyexpiry.partition import shares
+    from keyexpiry.listener.partition import shares
     from keyexpiry.runtime import Runtime
 
     settings = _settings(ctx)
@@ -481,9 +482,9 @@ def prune(
     dry_run: bool = typer.Option(False, "--dry-run", help="Count, delete nothing."),
 ) -> None:
     """Delete finished rows past their retention, in batches of 1,000 (progress bar)."""
-    from keyexpiry import retention
+    from keyexpiry.ledger import retention
+    from keyexpiry.ledger.store import TaskStatus
     from keyexpiry.runtime import Runtime
-    from keyexpiry.store import TaskStatus
 
     settings = _settings(ctx)
     try:
@@ -570,9 +571,9 @@ def list_tasks(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
     """List tasks by due time."""
+    from keyexpiry.ledger.store import TaskStatus
     from keyexpiry.printable import printable
     from keyexpiry.runtime import open_store
-    from keyexpiry.store import TaskStatus
     from keyexpiry.tags import check_tag
 
     try:
@@ -611,7 +612,7 @@ def reconcile(
     dry_run: bool = typer.Option(False, "--dry-run", help="Report, change nothing."),
 ) -> None:
     """Re-arm keys Redis lost and requeue runs whose listener died."""
-    from keyexpiry.reconcile import Reconciler
+    from keyexpiry.listener.reconcile import Reconciler
 
     settings = _settings(ctx)
     with _runtime(settings) as rt:
@@ -654,7 +655,7 @@ def doctor(
     fix: bool = typer.Option(False, "--fix", help="Turn keyspace notifications on if allowed."),
 ) -> None:
     """Check Redis and the database; exit 1 if something fails."""
-    from keyexpiry.doctor import run_checks
+    from keyexpiry.ops.doctor import run_checks
 
     with _runtime(_settings(ctx)) as rt:
         checks = run_checks(rt, fix=fix)
@@ -727,7 +728,7 @@ def _embedded_dir(ctx: typer.Context) -> Path | None:
 @_errors
 def embedded_status(ctx: typer.Context) -> None:
     """Say whether the embedded redis-server for the state dir is running, and where."""
-    from keyexpiry.embedded import is_running, socket_path
+    from keyexpiry.redis.embedded import is_running, socket_path
 
     if (state_dir := _embedded_dir(ctx)) is not None:
         state = "running" if is_running(state_dir) else "not running"
@@ -741,7 +742,7 @@ def embedded_status(ctx: typer.Context) -> None:
 @_errors
 def embedded_stop(ctx: typer.Context) -> None:
     """Stop the embedded redis-server for the state dir (its data is saved)."""
-    from keyexpiry.embedded import stop_embedded_redis
+    from keyexpiry.redis.embedded import stop_embedded_redis
 
     if (state_dir := _embedded_dir(ctx)) is not None:
         stopped = stop_embedded_redis(state_dir)

@@ -19,13 +19,13 @@ from keyexpiry.errors import (
     UnknownTaskError,
 )
 from keyexpiry.keys import braces_unescaped, clip, format_key, shorten
+from keyexpiry.ledger.scheduling import Did, IfExists, Rule, Scheduled
+from keyexpiry.ledger.store import NewTask, Store, TaskRow, TaskStatus
+from keyexpiry.ledger.transactions import Tx, after_commit, check_same_database, connection_of
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
-from keyexpiry.scheduling import Did, IfExists, Rule, Scheduled
 from keyexpiry.settings import Settings
-from keyexpiry.store import NewTask, Store, TaskRow, TaskStatus
 from keyexpiry.tags import check_tag
-from keyexpiry.transactions import Tx, after_commit, check_same_database, connection_of
 
 Status = TaskStatus | Literal["pending", "running", "done", "dead", "cancelled"]
 """A status as callers write it: `TaskStatus.DONE` or `"done"`."""
@@ -67,7 +67,7 @@ class TaskRequest:
     retry_schedule_s: Sequence[float] | None = None
     tag: str | None = None
     if_exists: Rule = "replace"
-    """What to do when the task's key has a row already (`keyexpiry.scheduling`)."""
+    """What to do when the task's key has a row already (`keyexpiry.ledger.scheduling`)."""
 
 
 class Client:
@@ -138,8 +138,8 @@ class Client:
         """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
 
         A task is its key: one row, one key. When the key has a row already, `if_exists` says
-        what happens (`keyexpiry.scheduling`): "replace" (the default) reschedules it whatever
-        its state, so exactly one run happens at or after the new due time; "keep" leaves a
+        what happens (`keyexpiry.ledger.scheduling`): "replace" (the default) reschedules it
+        whatever its state, so exactly one run happens at or after the new due time; "keep" leaves a
         pending task's due time as it is; "earlier" / "later" move it only that way. A task that
         is not pending is scheduled anew under every rule; a run already claimed for the old due
         time (running, or claimed just before this) still happens, unrecorded, unless the
@@ -155,7 +155,7 @@ class Client:
 
         With `tx` (a SQLAlchemy `Connection` or `Session` on the ledger's database) the row is
         written in the caller's transaction and the key is set once that commits; a rollback
-        leaves neither (`keyexpiry.transactions`).
+        leaves neither (`keyexpiry.ledger.transactions`).
         """
         request = TaskRequest(
             target, args, ttl_s, ttl_ms, at, retry_schedule_s, tag=tag, if_exists=if_exists

@@ -17,10 +17,10 @@ import typer
 from sqlalchemy import select
 
 from keyexpiry.client import Client, TaskRequest
-from keyexpiry.embedded import stop_embedded_redis
 from keyexpiry.errors import ConfigError
-from keyexpiry.listener import Listener
-from keyexpiry.rows import TaskStatus
+from keyexpiry.ledger.rows import TaskStatus
+from keyexpiry.listener.listener import Listener
+from keyexpiry.redis.embedded import stop_embedded_redis
 from keyexpiry.settings import Settings
 
 DEMO_MODULES = (

@@ -21,16 +21,17 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from sqlalchemy import URL
 
-from keyexpiry.arming import arm_keys, redis_db
 from keyexpiry.clock import RedisClock
-from keyexpiry.cluster import ClusterNodes, is_cluster_url, node_tag, parse_cluster_url
-from keyexpiry.embedded import RestartingRetry, ensure_embedded_redis
 from keyexpiry.errors import RedisUnavailableError
-from keyexpiry.metrics import RunMetrics
+from keyexpiry.ledger.store import Store, make_engine
+from keyexpiry.masking import mask_url, redact
+from keyexpiry.redis.arming import arm_keys, redis_db
+from keyexpiry.redis.cluster import ClusterNodes, is_cluster_url, node_tag, parse_cluster_url
+from keyexpiry.redis.embedded import RestartingRetry, ensure_embedded_redis
+from keyexpiry.redis.sentinel import close_client, is_sentinel_url, master_client
 from keyexpiry.registry import Registry, default_registry
-from keyexpiry.sentinel import close_client, is_sentinel_url, master_client
-from keyexpiry.settings import Settings, mask_url, redact
-from keyexpiry.store import Store, make_engine
+from keyexpiry.run_metrics import RunMetrics
+from keyexpiry.settings import Settings
 
 
 @dataclass(eq=False)

@@ -12,8 +12,8 @@ from loguru import logger
 
 from keyexpiry import Client, Listener, Settings
 from keyexpiry.bench.servers import wait_until
+from keyexpiry.ledger.store import Store, TaskRow, TaskStatus, make_engine
 from keyexpiry.log import _format
-from keyexpiry.store import Store, TaskRow, TaskStatus, make_engine
 from tests import sample_tasks
 
 FAST = {

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from keyexpiry import Client
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import redis
 
-from keyexpiry.arming import WAKE_MAX_BYTES, arm_keys, parse_wake
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.keys import MAX_KEY_BYTES, wake_channel
+from keyexpiry.redis.arming import WAKE_MAX_BYTES, arm_keys, parse_wake
 from keyexpiry.settings import Settings
 
 

@@ -11,8 +11,8 @@ import pytest
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import ConfigError
+from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.registry import Registry, exposed
-from keyexpiry.store import TaskStatus
 from tests import async_tasks
 from tests.ke import Running, wait_status
 

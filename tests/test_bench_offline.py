@@ -11,8 +11,8 @@ import pytest
 
 from keyexpiry.bench import cpuquota, harness
 from keyexpiry.bench.run import format_table
-from keyexpiry.embedded import redis_binary
 from keyexpiry.errors import ConfigError
+from keyexpiry.redis.embedded import redis_binary
 
 
 def _report(scenarios: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:

@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import Integer, TypeDecorator, bindparam, event, select
 from sqlalchemy.dialects import sqlite
 
-from keyexpiry.claims import _MAX_LIST, _lists, _size
-from keyexpiry.ledger import Prepared
-from keyexpiry.store import NewTask, Outcome, Store, T, TaskStatus
+from keyexpiry.ledger.base import Prepared
+from keyexpiry.ledger.claims import _MAX_LIST, _lists, _size
+from keyexpiry.ledger.store import NewTask, Outcome, Store, T, TaskStatus
 
 NOW = 1_700_000_000_000
 

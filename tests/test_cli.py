@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
-from keyexpiry.store import Store, TaskStatus, make_engine
+from keyexpiry.ledger.store import Store, TaskStatus, make_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -198,6 +198,6 @@ def test_create_in_one_terminal_fires_in_a_listener_in_another(
     assert f"[{key} #1] done" in log
     assert "listener stopped" in log
     if embedded:
-        from keyexpiry.embedded import stop_embedded_redis
+        from keyexpiry.redis.embedded import stop_embedded_redis
 
         assert stop_embedded_redis(tmp_path / "state")

@@ -13,13 +13,13 @@ from redis.crc import key_slot
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.bench.servers.cluster import ClusterNode, LocalCluster
-from keyexpiry.cluster import is_cluster_url, parse_cluster_url
-from keyexpiry.cluster_subscription import ClusterSubscription
-from keyexpiry.doctor import run_checks
 from keyexpiry.errors import ConfigError, RedisConfigError
 from keyexpiry.keys import format_key
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.listener.cluster_subscription import ClusterSubscription
+from keyexpiry.ops.doctor import run_checks
+from keyexpiry.redis.cluster import is_cluster_url, parse_cluster_url
 from keyexpiry.runtime import Runtime
-from keyexpiry.store import TaskStatus
 from tests import sample_tasks
 from tests.ke import Running, make_settings, wait_status
 

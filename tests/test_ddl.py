@@ -7,7 +7,7 @@ from pathlib import Path
 from sqlalchemy import create_engine, inspect, text
 
 from keyexpiry.bench.servers import MariaDBServer
-from keyexpiry.store import NewTask, Store, TaskStatus, make_engine, metadata
+from keyexpiry.ledger.store import NewTask, Store, TaskStatus, make_engine, metadata
 
 DDL = Path(__file__).resolve().parents[1] / "sql" / "time_limit_task.sql"
 LISTENER_DDL = DDL.with_name("keyexpiry_listener.sql")

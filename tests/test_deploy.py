@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from keyexpiry.endpoints import parse_bind
-from keyexpiry.metrics import NAMES, RunMetrics
+from keyexpiry.ops.endpoints import parse_bind
+from keyexpiry.ops.metrics import NAMES
+from keyexpiry.run_metrics import RunMetrics
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.dispatch import Dispatcher
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.runner.dispatch import Dispatcher
 from tests import sample_tasks
 from tests.ke import wait_status
 

@@ -9,7 +9,7 @@ import redis
 
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings, wait_status

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import pytest
 
 from keyexpiry import Client, Settings
-from keyexpiry import driver as driver_module
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.clock import ManualClock
-from keyexpiry.driver import TICK_MS, ExpiryDriver
 from keyexpiry.keys import expired_channel
+from keyexpiry.listener import driver as driver_module
+from keyexpiry.listener.driver import TICK_MS, ExpiryDriver
 from keyexpiry.runtime import Runtime
 
 Pass = tuple[int, list[int]]  # (the driver's now, due times looked up)

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
-from keyexpiry.embedded import is_running, stop_embedded_redis
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.redis.embedded import is_running, stop_embedded_redis
 from tests import sample_tasks
 from tests.ke import FAST, Running, wait_status
 

@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.endpoints import parse_bind
 from keyexpiry.errors import ConfigError
-from keyexpiry.metrics import NAMES
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.ops.endpoints import parse_bind
+from keyexpiry.ops.metrics import NAMES
 from tests import sample_tasks
 from tests.conftest import MariaDBFactory, RedisFactory
 from tests.ke import Running, make_settings, wait_status
@@ -114,7 +114,7 @@ def test_bad_or_taken_http_addresses_are_refused_in_one_line(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        from keyexpiry.listener import Listener
+        from keyexpiry.listener.listener import Listener
 
         listener = Listener(settings.replace(http=f"127.0.0.1:{port}"))
         try:

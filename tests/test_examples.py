@@ -21,7 +21,7 @@ from examples.fastapi_orders import schema as shop_schema
 from examples.fastapi_orders.tasks import PaymentWindow
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 from tests.ke import Running, make_settings, wait_status
 
 

@@ -13,8 +13,8 @@ from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.clock import monotonic_s
-from keyexpiry.heartbeats import ListenerRow
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.heartbeats import ListenerRow
+from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 from tests.conftest import MariaDBFactory
 from tests.ke import Running, make_settings, wait_status

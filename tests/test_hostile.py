@@ -23,12 +23,12 @@ import redis
 from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
-from keyexpiry.arming import WAKE_MAX_BYTES
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.errors import ArgumentError, KeyExpiryError, KeyFormatError, UnknownTaskError
 from keyexpiry.keys import MAX_KEY_BYTES
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.redis.arming import WAKE_MAX_BYTES
 from tests import sample_tasks
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings, wait_status
@@ -437,7 +437,7 @@ def test_a_task_created_before_keys_were_canonical_can_still_be_cancelled(
     client: Client,
 ) -> None:
     from keyexpiry.keys import format_key
-    from keyexpiry.store import NewTask
+    from keyexpiry.ledger.store import NewTask
 
     # What keyexpiry 0.1 wrote for typed(9, Decimal("19.90"), True, 5): '19.90' and '5'.
     old = format_key("Probe", "typed", ["9", "19.90", "true", "5"])
@@ -467,7 +467,7 @@ def test_a_bad_retry_delay_written_into_the_ledger_kills_no_thread(
     listener's threads live on and record every outcome."""
     from sqlalchemy import update
 
-    from keyexpiry.store import time_limit_task
+    from keyexpiry.ledger.store import time_limit_task
 
     running = start_listener(settings)
     key = client.create("Probe.fail_once", "nan-row", ttl_s=1)
@@ -524,7 +524,7 @@ def test_list_and_show_survive_any_stored_row(
     that are not JSON. `list` and `show` print them; they never fail for everyone."""
     from sqlalchemy import create_engine, update
 
-    from keyexpiry.store import time_limit_task
+    from keyexpiry.ledger.store import time_limit_task
 
     env = {**cli_env, "KEYEXPIRY_DATABASE_URL": sqlite_url}
     for name in ("far", "broken"):
@@ -579,7 +579,7 @@ def test_the_overdue_line_names_the_keys_and_the_cause(
     client: Client, settings: Settings, start_listener: StartListener, log_lines: list[str]
 ) -> None:
     from keyexpiry.keys import format_key
-    from keyexpiry.store import NewTask
+    from keyexpiry.ledger.store import NewTask
 
     start_listener(settings)
     key = format_key("Elsewhere", "run", ["1"])

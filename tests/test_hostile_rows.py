@@ -27,9 +27,9 @@ from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.clock import monotonic_s
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.listener.maintenance import FAILING_AFTER
 from keyexpiry.log import _format
-from keyexpiry.maintenance import FAILING_AFTER
-from keyexpiry.store import TaskStatus
 from keyexpiry.threads import REPEAT_WINDOW_S, REPEATS, ThreadErrors
 from keyexpiry.web import create_app
 from tests import sample_tasks

@@ -31,13 +31,14 @@ from keyexpiry.aio import AsyncClient
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.bench.servers.mariadb import MariaDBServer
 from keyexpiry.cli import app
-from keyexpiry.embedded import ensure_embedded_redis, is_running, stop_embedded_redis
 from keyexpiry.errors import ArgumentError, ConfigError
 from keyexpiry.keys import format_key, sentinel_key
+from keyexpiry.ledger.store import NewTask, TaskStatus
 from keyexpiry.log import _format
-from keyexpiry.metrics import NAMES, ListenerCollector
-from keyexpiry.settings import _RANGES, mask_url, redact, url_secrets
-from keyexpiry.store import NewTask, TaskStatus
+from keyexpiry.masking import mask_url, redact, url_secrets
+from keyexpiry.ops.metrics import NAMES, ListenerCollector
+from keyexpiry.redis.embedded import ensure_embedded_redis, is_running, stop_embedded_redis
+from keyexpiry.settings import _RANGES
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings
 

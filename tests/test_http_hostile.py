@@ -33,9 +33,9 @@ from typer.testing import CliRunner
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import free_port, wait_until
 from keyexpiry.cli import app as cli_app
-from keyexpiry.endpoints import HttpLimits
 from keyexpiry.errors import ConfigError
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.ops.endpoints import HttpLimits
 from keyexpiry.web import create_app
 from keyexpiry.web.security import FAILURE_DELAY_S, MAX_BODY_BYTES, SECURITY_HEADERS
 from tests import sample_tasks

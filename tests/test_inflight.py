@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 
 from keyexpiry.clock import monotonic_s
-from keyexpiry.inflight import ClaimedRun, InFlight
+from keyexpiry.ledger.rows import Outcome, TaskRow, TaskStatus
 from keyexpiry.registry import ExposeOptions, TaskSpec
-from keyexpiry.rows import Outcome, TaskRow, TaskStatus
+from keyexpiry.runner.inflight import ClaimedRun, InFlight
 
 
 def _outcome(i: int) -> Outcome:

@@ -21,7 +21,7 @@ from keyexpiry.keys import (
     parse_key,
     sentinel_key,
 )
-from keyexpiry.rows import NewTask, TaskStatus
+from keyexpiry.ledger.rows import NewTask, TaskStatus
 
 names = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,20}", fullmatch=True)
 args = st.lists(st.text(max_size=20), max_size=4)

@@ -11,7 +11,7 @@ from pathlib import Path
 from keyexpiry import Client, Listener, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.keys import sentinel_key
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings, wait_status

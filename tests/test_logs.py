@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 from tests.faults.spawn import listener_env
 from tests.ke import wait_status
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.inflight import DispatchStats
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.runner.inflight import DispatchStats
 from tests import sample_tasks
 from tests.ke import Running
 

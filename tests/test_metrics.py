@@ -7,7 +7,7 @@ import threading
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from keyexpiry.metrics import RunMetrics
+from keyexpiry.run_metrics import RunMetrics
 
 
 def scrape(metrics: RunMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import BigInteger, Column, Engine, MetaData, Table, inspect, text
 
-from keyexpiry.migrations import add_missing_columns, add_missing_indexes, drop_retired_indexes
-from keyexpiry.store import NewTask, Store, make_engine
+from keyexpiry.ledger.migrations import (
+    add_missing_columns,
+    add_missing_indexes,
+    drop_retired_indexes,
+)
+from keyexpiry.ledger.store import NewTask, Store, make_engine
 
 # keyexpiry_listener as the first release with heartbeats created it (before partitioning).
 OLD_LISTENER_DDL = """

@@ -17,12 +17,12 @@ from typer.testing import CliRunner
 from keyexpiry import Client, Listener, Settings, current, exposed
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
-from keyexpiry.fleet import share_silence_s
-from keyexpiry.heartbeats import ListenerRow
 from keyexpiry.keys import sentinel_key
-from keyexpiry.partition import BUCKETS, Partition, assign, bucket_of, shares
+from keyexpiry.ledger.heartbeats import ListenerRow
+from keyexpiry.ledger.store import NewTask, TaskStatus
+from keyexpiry.listener.fleet import share_silence_s
+from keyexpiry.listener.partition import BUCKETS, Partition, assign, bucket_of, shares
 from keyexpiry.registry import Registry
-from keyexpiry.store import NewTask, TaskStatus
 from tests import sample_tasks
 from tests.ke import Running, wait_status
 

@@ -28,12 +28,12 @@ from sqlalchemy import make_url
 from sqlalchemy.dialects import mysql
 
 from keyexpiry import Client, Settings
-from keyexpiry.arming import parse_wake
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import KeyFormatError
 from keyexpiry.keys import escape_arg, format_key, parse_key, wake_channel
-from keyexpiry.rows import NewTask, TaskRow, TaskStatus
-from keyexpiry.table import _LITERAL_COLUMNS, LiteralUpsert, make_engine, upsert_statement
+from keyexpiry.ledger.rows import NewTask, TaskRow, TaskStatus
+from keyexpiry.ledger.table import _LITERAL_COLUMNS, LiteralUpsert, make_engine, upsert_statement
+from keyexpiry.redis.arming import parse_wake
 from tests import sample_tasks
 from tests.conftest import _require
 from tests.ke import Running, make_settings, wait_status

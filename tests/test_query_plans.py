@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import event, insert, text
 
 from keyexpiry.bench.ledger import QUERIES
-from keyexpiry.rows import TaskStatus
-from keyexpiry.store import Outcome, Store, T, make_engine
+from keyexpiry.ledger.rows import TaskStatus
+from keyexpiry.ledger.store import Outcome, Store, T, make_engine
 
 NOW = 1_900_000_000_000
 FINISHED = 2_000_000

@@ -10,10 +10,10 @@ import pytest
 
 from keyexpiry import Client, Listener, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.reconcile import DUE_FIRST_MS, Reconciler
+from keyexpiry.ledger.scans import ScanQueries
+from keyexpiry.ledger.store import NewTask, TaskStatus
+from keyexpiry.listener.reconcile import DUE_FIRST_MS, Reconciler
 from keyexpiry.runtime import Runtime
-from keyexpiry.scans import ScanQueries
-from keyexpiry.store import NewTask, TaskStatus
 from tests.ke import wait_status
 
 

@@ -15,8 +15,8 @@ from keyexpiry import Client, Settings
 from keyexpiry.cli import app
 from keyexpiry.client import TaskRequest
 from keyexpiry.errors import ConfigError
+from keyexpiry.ledger.store import Outcome, Store, TaskStatus
 from keyexpiry.results import encode_result
-from keyexpiry.store import Outcome, Store, TaskStatus
 from tests import sample_tasks
 from tests.ke import Running, wait_status
 
@@ -99,7 +99,7 @@ def test_a_failed_attempt_keeps_no_result_and_the_retry_keeps_its_own(
 def test_the_batched_record_writes_each_runs_own_result(store: Store) -> None:
     # The recorder's statement for many successes at once, with and without results, across
     # claims; results big enough to take several statements.
-    from keyexpiry.store import NewTask
+    from keyexpiry.ledger.store import NewTask
 
     now = 1_900_000_000_000
     store.upsert_pending([NewTask(f"A@m@{i}", "A", "m", (str(i),), now) for i in range(40)], now)

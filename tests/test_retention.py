@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
-from keyexpiry.retention import BATCH_ROWS, cutoffs, prune
-from keyexpiry.store import T, TaskStatus
+from keyexpiry.ledger.retention import BATCH_ROWS, cutoffs, prune
+from keyexpiry.ledger.store import T, TaskStatus
 from tests import sample_tasks
 from tests.ke import Running, wait_status
 

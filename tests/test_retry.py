@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
 from keyexpiry.cli import app
-from keyexpiry.store import TaskStatus
-from keyexpiry.table import EARLIER_ERRORS
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.ledger.table import EARLIER_ERRORS
 from tests import sample_tasks
 from tests.ke import Running, make_settings, wait_status
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from keyexpiry.keys import MAX_KEY_BYTES, canary_key, format_key, sentinel_key
-from keyexpiry.routing import KeyShapes, Route, as_bytes
+from keyexpiry.listener.routing import KeyShapes, Route, as_bytes
 
 OWNER = "host:1:abcdef"
 

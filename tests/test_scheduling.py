@@ -16,8 +16,8 @@ from sqlalchemy import Engine, create_engine, event
 from keyexpiry import Client, Did, IfExists, Scheduled, Settings, TaskRequest
 from keyexpiry.clock import ManualClock
 from keyexpiry.errors import ArgumentError, StoreError
-from keyexpiry.scheduling import decide
-from keyexpiry.store import NewTask, Outcome, Store, TaskStatus
+from keyexpiry.ledger.scheduling import decide
+from keyexpiry.ledger.store import NewTask, Outcome, Store, TaskStatus
 from tests.ke import make_settings
 
 OLD_S = 100

@@ -21,7 +21,7 @@ from keyexpiry import Client, Listener, Settings, TaskRequest
 from keyexpiry.bench.servers import LOOPBACK, RedisServer, wait_until
 from keyexpiry.cli import app
 from keyexpiry.errors import RedisConfigError
-from keyexpiry.settings import mask_url
+from keyexpiry.masking import mask_url
 from tests.conftest import REDIS_SERVER, RedisFactory, _require
 from tests.ke import Running, make_settings
 from tests.reliability import Verdict

@@ -15,9 +15,9 @@ from loguru import logger
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import LOOPBACK, wait_until
 from keyexpiry.bench.servers.sentinel import SentinelGroup
-from keyexpiry.doctor import run_checks
-from keyexpiry.sentinel import MasterWatch, follows_sentinel, replica_addresses
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.ops.doctor import run_checks
+from keyexpiry.redis.sentinel import MasterWatch, follows_sentinel, replica_addresses
 from tests import sample_tasks
 from tests.ke import Running, make_settings, wait_status
 

@@ -9,8 +9,8 @@ import pytest
 
 from keyexpiry import Settings
 from keyexpiry.errors import ConfigError
-from keyexpiry.sentinel import SentinelURL, is_sentinel_url, parse_sentinel_url
-from keyexpiry.settings import mask_url
+from keyexpiry.masking import mask_url
+from keyexpiry.redis.sentinel import SentinelURL, is_sentinel_url, parse_sentinel_url
 from tests.test_deploy import load_yaml
 
 

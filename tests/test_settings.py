@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from keyexpiry.errors import ConfigError
-from keyexpiry.settings import Settings, mask_url
+from keyexpiry.masking import mask_url
+from keyexpiry.settings import Settings
 
 
 def test_env_then_flags_precedence() -> None:

@@ -14,9 +14,9 @@ from sqlalchemy import event
 
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import StoreError
-from keyexpiry.scans import KEYS_START
-from keyexpiry.store import NewTask, Outcome, Store, TaskStatus, make_engine
-from keyexpiry.table import LiteralUpsert
+from keyexpiry.ledger.scans import KEYS_START
+from keyexpiry.ledger.store import NewTask, Outcome, Store, TaskStatus, make_engine
+from keyexpiry.ledger.table import LiteralUpsert
 
 NOW = 1_700_000_000_000
 

@@ -13,7 +13,7 @@ from keyexpiry import Client, Settings
 from keyexpiry.cli import app
 from keyexpiry.client import TaskRequest
 from keyexpiry.errors import ArgumentError
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 
 record = sample_tasks.Probe.record
@@ -42,7 +42,7 @@ def test_list_and_cancel_by_tag_touch_only_that_tags_pending_tasks(client: Clien
     with client.store.engine.begin() as conn:
         from sqlalchemy import update
 
-        from keyexpiry.store import T
+        from keyexpiry.ledger.store import T
 
         conn.execute(update(T).where(T.c.task_key == later).values(status="running"))
     assert client.cancel_tag("order:218") == 1
@@ -68,8 +68,8 @@ def test_a_reschedule_keeps_the_tag_unless_it_gives_another(client: Client) -> N
 
 
 def test_tags_go_with_every_reschedule_rule(client: Client) -> None:
-    """Rules other than replace decide under the row lock (keyexpiry.scheduling): the rows they
-    insert or reset carry the tag as a replace does."""
+    """Rules other than replace decide under the row lock (keyexpiry.ledger.scheduling): the rows
+    they insert or reset carry the tag as a replace does."""
     fresh = client.create(record, "r1", ttl_s=60, tag="cart:9", if_exists="later")
     assert fresh.outcome == "created" and client.store.get(fresh).tag == "cart:9"  # type: ignore[union-attr]
     moved = client.create(record, "r1", ttl_s=30, if_exists="earlier")

@@ -12,8 +12,8 @@ from sqlalchemy import insert, select, update
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import ConfigError
+from keyexpiry.ledger.store import T, TaskStatus
 from keyexpiry.registry import exposed
-from keyexpiry.store import T, TaskStatus
 from tests import sample_tasks
 from tests.ke import Running, make_settings, wait_status
 

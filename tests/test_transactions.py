@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import MariaDBServer
 from keyexpiry.errors import ArgumentError
-from keyexpiry.store import TaskStatus
-from keyexpiry.transactions import pending_for
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.ledger.transactions import pending_for
 from tests import sample_tasks
 from tests.ke import Running, make_settings, wait_status
 

@@ -24,9 +24,9 @@ from keyexpiry import exposed
 from keyexpiry.client import due_at_ms
 from keyexpiry.errors import ArgumentError, ConfigError, KeyExpiryError
 from keyexpiry.keys import format_key
+from keyexpiry.ledger.rows import args_json
 from keyexpiry.limits import MAX_DELAY_S, MAX_HORIZON_S
 from keyexpiry.registry import Registry, TaskSpec
-from keyexpiry.rows import args_json
 from keyexpiry.settings import Settings
 
 NOW_MS = 1_700_000_000_000

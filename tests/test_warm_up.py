@@ -12,8 +12,8 @@ from sqlalchemy import event
 
 from keyexpiry import Client, TaskRequest
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.ledger import Prepared
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.base import Prepared
+from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 from tests.ke import Running, make_settings
 

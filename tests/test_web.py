@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import free_port, wait_until
 from keyexpiry.cli import app as cli_app
-from keyexpiry.rows import Outcome
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.rows import Outcome
+from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.web import create_app
 from tests import sample_tasks
 

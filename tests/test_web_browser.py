@@ -16,7 +16,7 @@ import uvicorn
 
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import free_port, wait_until
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.web import create_app
 from tests import sample_tasks
 from tests.ke import Running, wait_status

@@ -24,7 +24,7 @@ from keyexpiry import Client
 from keyexpiry.aio import AsyncClient
 from keyexpiry.bench.harness import Servers, median_of, settings_for
 from keyexpiry.keys import format_key
-from keyexpiry.rows import NewTask
+from keyexpiry.ledger.rows import NewTask
 
 COROUTINES = 64
 """Coroutines creating at once (a busy web app's concurrent requests)."""
@@ -99,8 +99,8 @@ async def _native(urls: tuple[str, str], n: int, driver: str) -> dict[str, Any]:
     import redis.asyncio as aredis
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from keyexpiry.store import Store
-    from keyexpiry.table import upsert_statement
+    from keyexpiry.ledger.store import Store
+    from keyexpiry.ledger.table import upsert_statement
 
     redis_url, db_url = urls
     with Client(settings_for(*urls)) as sync:  # the schema, and the task spec

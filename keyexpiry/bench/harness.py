@@ -28,9 +28,9 @@ import keyexpiry.bench.tasks  # noqa: F401 - registers Bench.noop
 from keyexpiry import Client, Settings
 from keyexpiry.bench.cpuquota import CpuQuota
 from keyexpiry.bench.servers import MariaDBServer, RedisServer, find_binary
-from keyexpiry.embedded import redis_binary
 from keyexpiry.errors import ConfigError, EmbeddedServerError
-from keyexpiry.store import T, TaskStatus
+from keyexpiry.ledger.store import T, TaskStatus
+from keyexpiry.redis.embedded import redis_binary
 
 MARIADB_BINARIES = ("mariadbd", "mariadb-install-db")
 

@@ -21,8 +21,8 @@ from keyexpiry import Client
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, analyze, settings_for
 from keyexpiry.bench.servers import free_port
-from keyexpiry.rows import Outcome, TaskStatus
-from keyexpiry.store import Store
+from keyexpiry.ledger.rows import Outcome, TaskStatus
+from keyexpiry.ledger.store import Store
 
 DAY_MS = 86_400_000
 PENDING_SHARE = 10

@@ -21,7 +21,7 @@ from keyexpiry.bench.harness import (
     wait_done,
     wait_reconciled,
 )
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 
 NOOP = "Bench@noop@%"
 CHUNK = 10_000
@@ -71,8 +71,8 @@ def due_wave(
     """`n` tasks due over `span_s` seconds; lateness, rate, listener CPU/RSS, fired by the cap.
 
     With several `listeners` the CPU is their sum, the RSS the largest, the lateness of all;
-    they share the keys (`keyexpiry.partition`) before the wave is created. `cpu_cores` gives
-    each listener a CPU quota of its own.
+    they share the keys (`keyexpiry.listener.partition`) before the wave is created.
+    `cpu_cores` gives each listener a CPU quota of its own.
     """
     redis_url, db_url = urls
     with contextlib.ExitStack() as stack:
@@ -139,7 +139,7 @@ def _wait_sharing(client: Client, listeners: int, timeout_s: float = 30) -> None
 def _max_attempts(client: Client) -> int:
     from sqlalchemy import func, select
 
-    from keyexpiry.store import T
+    from keyexpiry.ledger.store import T
 
     with client.store.engine.connect() as conn:
         got = conn.execute(select(func.max(T.c.attempts)).where(T.c.task_key.like(NOOP))).scalar()

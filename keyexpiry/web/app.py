@@ -23,10 +23,10 @@ from starlette.routing import Route
 
 from keyexpiry.client import Client
 from keyexpiry.errors import KeyExpiryError
+from keyexpiry.ledger.rows import TaskRow, TaskStatus
+from keyexpiry.ledger.table import EARLIER_ERRORS
 from keyexpiry.printable import for_html
-from keyexpiry.rows import TaskRow, TaskStatus
 from keyexpiry.settings import Settings
-from keyexpiry.table import EARLIER_ERRORS
 from keyexpiry.web.security import Csrf, Guard
 
 _HERE = Path(__file__).parent

@@ -13,9 +13,9 @@ from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import ServerError, wait_until
 from keyexpiry.bench.servers.cluster import ClusterNode, LocalCluster
 from keyexpiry.clock import monotonic_s
-from keyexpiry.cluster_subscription import ClusterSubscription
 from keyexpiry.errors import RedisUnavailableError
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.listener.cluster_subscription import ClusterSubscription
 from tests.ke import Running, make_settings, wait_status
 from tests.reliability import Verdict
 
@@ -212,7 +212,7 @@ def test_arming_and_lookups_follow_slots_the_client_has_not_seen_move(
     """A client whose slot map is stale (slots moved by someone else): bulk arming and the
     driver's lookups get MOVED from the per-node pipelines and go again through the cluster
     pipeline, which follows the redirection."""
-    from keyexpiry.driver import ExpiryDriver
+    from keyexpiry.listener.driver import ExpiryDriver
     from keyexpiry.runtime import Runtime
 
     cluster = cluster_factory(replicas=0)

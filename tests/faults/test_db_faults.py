@@ -13,7 +13,7 @@ from loguru import logger
 
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import lock_waits, wait_until
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 from tests.conftest import MariaDBFactory
 from tests.faults.spawn import ROOT, Spawned, keyexpiry_command, signal_group, subprocess_env

@@ -19,7 +19,7 @@ import pytest
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import MariaDBServer, lock_waits, wait_until
 from keyexpiry.errors import StoreError
-from keyexpiry.store import NewTask, Store, TaskStatus, make_engine
+from keyexpiry.ledger.store import NewTask, Store, TaskStatus, make_engine
 from tests import sample_tasks
 from tests.conftest import MariaDBFactory, RedisFactory
 from tests.faults.spawn import ROOT, Spawned, listener_env, signal_group

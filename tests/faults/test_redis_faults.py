@@ -9,7 +9,7 @@ import pytest
 
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import RedisServer, wait_until
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings, wait_status
 from tests.reliability import Verdict

@@ -15,11 +15,11 @@ from loguru import logger
 
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.dispatch import Dispatcher
-from keyexpiry.doctor import run_checks
 from keyexpiry.errors import RedisUnavailableError
-from keyexpiry.redis_server import REPLICA_PROBLEM
-from keyexpiry.store import TaskStatus
+from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.ops.doctor import run_checks
+from keyexpiry.redis.server import REPLICA_PROBLEM
+from keyexpiry.runner.dispatch import Dispatcher
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings
 from tests.reliability import Verdict

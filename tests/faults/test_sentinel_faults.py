@@ -19,7 +19,7 @@ from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import LOOPBACK, wait_until
 from keyexpiry.bench.servers.sentinel import SentinelGroup
 from keyexpiry.errors import RedisUnavailableError
-from keyexpiry.sentinel import POOL_RECHECK_S
+from keyexpiry.redis.sentinel import POOL_RECHECK_S
 from tests.conftest import SentinelFactory
 from tests.ke import Running, make_settings
 from tests.reliability import Verdict

@@ -1,0 +1,248 @@
+"""Reconciliation's ledger queries: pending rows page by page, upcoming and overdue due times,
+expired leases and their requeue."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, NamedTuple
+
+from sqlalchemy import ColumnElement, Text, and_, func, literal, or_, select, update
+
+from keyexpiry.ledger.base import Ledger, retried_once
+from keyexpiry.ledger.rows import UNREADABLE_MS, TaskRow, TaskStatus, stored_ms
+from keyexpiry.ledger.rows import row_from_db as _row
+from keyexpiry.ledger.table import T, with_earlier_errors
+
+
+class PendingKey(NamedTuple):
+    """What reconciliation needs of a pending row to check its key."""
+
+    key: str
+    due_at_ms: int
+    attempts: int
+    problem: str | None = None
+    """Why this row cannot be reconciled (its due time is not a number): skip and report it."""
+    stored_due: Any = None
+    """The due time as stored, when it is not `due_at_ms` itself (see `position`)."""
+
+    @property
+    def position(self) -> tuple[Any, str]:
+        """This row's place in the walk's order, as the database compares it: a page after a
+        row whose due time is text (SQLite sorts it after every number) starts after that
+        text, not after a stand-in, or the walk would read that row again for ever."""
+        return (self.due_at_ms if self.stored_due is None else self.stored_due, self.key)
+
+
+KEYS_START: tuple[Any, str] = (None, "")
+"""The position before every pending key in `pending_keys_page`'s order, whatever is stored
+(a due time of -9e18, below any bound that could be written here, is walked too)."""
+
+_MAX_BIGINT = 2**63 - 1
+
+
+def _no_number(column: ColumnElement[Any]) -> ColumnElement[bool]:
+    """True where a BIGINT column holds no number in range: only SQLite keeps such values
+    (text and blobs sort after every number there); on MySQL/MariaDB it matches nothing. A
+    range of the column's index, unlike a type test."""
+    return column > _MAX_BIGINT
+
+
+def _pending_key(k: Any, d: Any, a: Any) -> PendingKey:
+    if type(d) is int and type(a) is int and type(k) is str:  # every sound row, at once
+        return PendingKey(k, d, a)
+    due, attempts = stored_ms(d), stored_ms(a)
+    problem = None
+    if due is None:
+        problem = f"its due_at_ms column holds {type(d).__name__} {str(d)[:60]!r}, not a time"
+    elif attempts is None:
+        problem = f"its attempts column holds {type(a).__name__} {str(a)[:60]!r}, not a number"
+    return PendingKey(
+        str(k),
+        UNREADABLE_MS if due is None else due,
+        attempts or 0,
+        problem,
+        None if type(d) is int else d,
+    )
+
+
+class ScanQueries(Ledger):
+    """Scans on the (status, due_at_ms, task_key, attempts) and (status, lease_until_ms) indexes."""
+
+    @retried_once
+    def pending_keys_page(
+        self, *, after: tuple[int, str] = KEYS_START, upto_ms: int | None = None, limit: int
+    ) -> list[PendingKey]:
+        """Pending keys after `after` = (due_at_ms, task_key) in that order, up to due time
+        `upto_ms` when given: a keyset walk read off the (status, due_at_ms, task_key, attempts)
+        index alone. Reconciliation walks every pending row with it: no row lookups (which,
+        in due order, land all over the table) and three small columns to decode."""
+        q = select(T.c.task_key, T.c.due_at_ms, T.c.attempts).where(
+            T.c.status == TaskStatus.PENDING.value
+        )
+        if after != KEYS_START:
+            due, key = after
+            q = q.where(or_(T.c.due_at_ms > due, and_(T.c.due_at_ms == due, T.c.task_key > key)))
+        if upto_ms is not None:
+            q = q.where(T.c.due_at_ms <= upto_ms)
+        with self._tx() as conn:
+            rows = conn.execute(q.order_by(T.c.due_at_ms, T.c.task_key).limit(limit)).all()
+        return [_pending_key(k, d, a) for k, d, a in rows]
+
+    @retried_once
+    def upcoming(self, *, after_ms: int, upto_ms: int, limit: int) -> list[tuple[str, int]]:
+        """(key, due) of pending rows due in (after_ms, upto_ms], earliest first."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T.c.task_key, T.c.due_at_ms)
+                .where(
+                    T.c.status == TaskStatus.PENDING.value,
+                    T.c.due_at_ms > after_ms,
+                    T.c.due_at_ms <= upto_ms,
+                )
+                .order_by(T.c.due_at_ms)
+                .limit(limit)
+            ).all()
+        return _due_keys(rows)
+
+    @retried_once
+    def overdue(self, *, now_ms: int, limit: int) -> list[tuple[str, int]]:
+        """(key, due) of pending rows due at or before `now_ms`, earliest first: however early
+        (a row due at -9e18 is overdue, not out of sight)."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T.c.task_key, T.c.due_at_ms)
+                .where(T.c.status == TaskStatus.PENDING.value, T.c.due_at_ms <= now_ms)
+                .order_by(T.c.due_at_ms)
+                .limit(limit)
+            ).all()
+        return _due_keys(rows)
+
+    @retried_once
+    def count_pending(self) -> int:
+        """How many rows are pending."""
+        with self._tx() as conn:
+            n = conn.execute(
+                select(func.count()).where(T.c.status == TaskStatus.PENDING.value)
+            ).scalar_one()
+        return int(n)
+
+    @retried_once
+    def active_counts(self) -> dict[str, int]:
+        """Rows per status for pending, running and dead only: ranges of the status index, never
+        the done and cancelled rows that make up most of a large ledger."""
+        wanted = [TaskStatus.PENDING.value, TaskStatus.RUNNING.value, TaskStatus.DEAD.value]
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T.c.status, func.count()).where(T.c.status.in_(wanted)).group_by(T.c.status)
+            ).all()
+        return {str(s): int(n) for s, n in rows}
+
+    @retried_once
+    def pending_due_before(self, edges_ms: list[int]) -> list[int]:
+        """How many pending rows fall due before each of `edges_ms` (one index range each)."""
+        with self._tx() as conn:
+            return [
+                int(
+                    conn.execute(
+                        select(func.count()).where(
+                            T.c.status == TaskStatus.PENDING.value, T.c.due_at_ms < edge
+                        )
+                    ).scalar_one()
+                )
+                for edge in edges_ms
+            ]
+
+    @retried_once
+    def expired_leases(self, now_ms: int, limit: int = 1000) -> list[TaskRow]:
+        """Running rows whose lease has run out: the listener running them is gone. A running
+        row with no lease (NULL, or text: written outside keyexpiry, which always sets one)
+        is one whose lease ran out: nothing else would ever end it."""
+        running = T.c.status == TaskStatus.RUNNING.value
+        with self._tx() as conn:
+            rows = list(
+                conn.execute(
+                    select(T)
+                    .where(running, T.c.lease_until_ms < now_ms)
+                    .order_by(T.c.lease_until_ms)
+                    .limit(limit)
+                )
+            )
+            # Apart: each is a range of the (status, lease_until_ms) index, which one OR of
+            # the two would not be on every database.
+            for lost in (T.c.lease_until_ms.is_(None), _no_number(T.c.lease_until_ms)):
+                if len(rows) < limit:
+                    rows.extend(
+                        conn.execute(select(T).where(running, lost).limit(limit - len(rows)))
+                    )
+        return [_row(r) for r in rows]
+
+    @retried_once
+    def unknown_status_rows(self, limit: int = 100) -> list[TaskRow]:
+        """Rows whose status is none of `TaskStatus` (written outside keyexpiry): no other
+        query ever reads them. Ranges of the status index between the known statuses, which
+        hold nothing in a sound ledger."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(T).where(unknown_status()).order_by(T.c.id).limit(limit)
+            ).all()
+        return [_row(r) for r in rows]
+
+    @retried_once
+    def requeue_lost(
+        self,
+        row: TaskRow,
+        *,
+        status: TaskStatus,
+        error: str,
+        now_ms: int,
+        lease_expired: bool = True,
+    ) -> bool:
+        """Move a lost run (its lease expired, or `lease_expired=False`: its listener stopped
+        beating) to pending (due now) or dead; False if someone else did."""
+        conditions = [
+            T.c.id == row.id,
+            T.c.status == TaskStatus.RUNNING.value,
+            T.c.claimed_by == row.claimed_by,
+        ]
+        if lease_expired:
+            conditions.append(
+                or_(
+                    T.c.lease_until_ms < now_ms,
+                    T.c.lease_until_ms.is_(None),
+                    _no_number(T.c.lease_until_ms),
+                )
+            )
+        with self._tx() as conn:
+            result = conn.execute(
+                update(T)
+                .where(*conditions)
+                .values(
+                    status=status.value,
+                    due_at_ms=now_ms if status is TaskStatus.PENDING else row.due_at_ms,
+                    finished_at_ms=now_ms if status is TaskStatus.DEAD else None,
+                    lease_until_ms=None,
+                    last_error=with_earlier_errors(literal(error, Text)),
+                    updated_at_ms=now_ms,
+                )
+            )
+        return bool(result.rowcount)
+
+
+def unknown_status() -> ColumnElement[bool]:
+    """A status outside `TaskStatus`, as ranges between the known ones (`NOT IN` would walk
+    the whole table on SQLite): on the status index, and empty in a sound ledger."""
+    known = sorted(s.value for s in TaskStatus)
+    gaps: list[ColumnElement[bool]] = [T.c.status < known[0], T.c.status > known[-1]]
+    gaps += [and_(T.c.status > a, T.c.status < b) for a, b in itertools.pairwise(known)]
+    return or_(*gaps)
+
+
+def _due_keys(rows: Any) -> list[tuple[str, int]]:
+    """(key, due) of rows whose due time is a number; a row whose due time is text is left to
+    reconciliation's walk, which reports it."""
+    found: list[tuple[str, int]] = []
+    for k, d in rows:
+        due = d if type(d) is int else stored_ms(d)
+        if due is not None:
+            found.append((str(k), due))
+    return found

@@ -1,0 +1,405 @@
+"""Table `time_limit_task`: its columns and indexes (sql/time_limit_task.sql says the same), the
+engine tuned for it, and the create-or-reschedule upsert."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Engine,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    case,
+    create_engine,
+    event,
+    func,
+    literal_column,
+    null,
+)
+from sqlalchemy.dialects import mysql, sqlite
+from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import SQLAlchemyError
+
+from keyexpiry.errors import StoreError
+from keyexpiry.ledger.rows import NewTask, TaskStatus, args_json, schedule_json
+from keyexpiry.masking import mask_url, redact
+from keyexpiry.tags import TAG_MAX_CHARS
+
+TABLE_NAME = "time_limit_task"
+metadata = MetaData()
+# Keys are escaped to printable ASCII; a binary ASCII collation keeps them case-sensitive and lets
+# a 512-byte unique index fit InnoDB's limit.
+_KEY_TYPE = String(512).with_variant(
+    mysql.VARCHAR(512, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
+)
+_ID_TYPE = BigInteger().with_variant(Integer(), "sqlite")
+_TEXT_TYPE = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
+# Tags compare byte for byte on every backend, as on SQLite: `Order:1` is not `order:1`.
+_TAG_TYPE = String(TAG_MAX_CHARS).with_variant(
+    mysql.VARCHAR(TAG_MAX_CHARS, charset="utf8mb4", collation="utf8mb4_bin"),
+    "mysql",
+    "mariadb",
+)
+
+time_limit_task = Table(
+    TABLE_NAME,
+    metadata,
+    Column("id", _ID_TYPE, primary_key=True, autoincrement=True),
+    Column("task_key", _KEY_TYPE, nullable=False),
+    Column("class_name", String(128), nullable=False),
+    Column("method", String(128), nullable=False),
+    Column("args", _TEXT_TYPE, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("retry_schedule_s", Text, nullable=True),
+    Column("due_at_ms", BigInteger, nullable=False),
+    Column("created_at_ms", BigInteger, nullable=False),
+    Column("updated_at_ms", BigInteger, nullable=False),
+    Column("started_at_ms", BigInteger, nullable=True),
+    Column("finished_at_ms", BigInteger, nullable=True),
+    Column("claimed_by", String(96), nullable=True),
+    Column("lease_until_ms", BigInteger, nullable=True),
+    Column("last_error", _TEXT_TYPE, nullable=True),
+    # Added after the table: keyexpiry.ledger.migrations adds them to an existing one.
+    # The business key business code finds and cancels its tasks by (`create(..., tag=)`).
+    Column("tag", _TAG_TYPE, nullable=True),
+    # The handler's return value as JSON (NULL: it returned None, or has not succeeded).
+    Column("result", _TEXT_TYPE, nullable=True),
+    # Running rows by lease (expired leases); a dead listener's runs are a filter on this range,
+    # which holds only the fleet's runs in flight.
+    Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
+    # Added after the table: keyexpiry.ledger.migrations builds them in an existing one.
+    # Every read of one status in due order (the listener's, reconciliation's, the lists'), and
+    # reconciliation's walk over pending keys off this index alone (no row lookups).
+    Index("ix_time_limit_task_status_due_key", "status", "due_at_ms", "task_key", "attempts"),
+    # The dashboard's retrying list: pending rows that failed, without walking every pending row.
+    Index("ix_time_limit_task_status_attempts", "status", "attempts", "due_at_ms"),
+    # Retention and the dead-task counts: finished rows by finish time (and class), index-only.
+    Index("ix_time_limit_task_status_finished", "status", "finished_at_ms", "class_name"),
+    # A tag's rows by due time: `list --tag` reads them in order, `cancel_tag` finds them.
+    Index("ix_time_limit_task_tag", "tag", "due_at_ms"),
+    UniqueConstraint("task_key", name="uq_time_limit_task_key"),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+    # sql/time_limit_task.sql must say the same; tests/test_ddl.py checks that it does.
+)
+T = time_limit_task
+
+RETIRED_INDEXES: dict[str, str] = {
+    # Its prefix: the covering index serves every query it did, ordered by key instead of id.
+    "ix_time_limit_task_status_due": "ix_time_limit_task_status_due_key",
+    # Only running rows are looked up by claim, and they are the lease index's range.
+    "ix_time_limit_task_claimed_by": "ix_time_limit_task_status_lease",
+}
+"""Indexes of older keyexpiry versions that no query needs any more, each with the index that
+replaced it: `keyexpiry init-db` drops one once its replacement exists (each costs every write)."""
+
+LISTENER_TABLE = "keyexpiry_listener"
+keyexpiry_listener = Table(
+    LISTENER_TABLE,
+    metadata,
+    # The listener's identity, as in `claimed_by` (host:pid:random; claims add ":N").
+    Column("id", String(96), primary_key=True),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at_ms", BigInteger, nullable=False),
+    Column("heartbeat_at_ms", BigInteger, nullable=False),
+    Column("running", Integer, nullable=False),
+    # Added after the table: keyexpiry.ledger.migrations adds them to an existing one.
+    # When it began a graceful stop: peers take its share of the keys, not its runs.
+    Column("stopping_at_ms", BigInteger, nullable=True),
+    # Its registered task classes, comma-separated: who may be given a class's keys.
+    Column("classes", Text, nullable=True),
+    Index("ix_keyexpiry_listener_heartbeat", "heartbeat_at_ms"),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+    # sql/keyexpiry_listener.sql must say the same; tests/test_ddl.py checks that it does.
+)
+"""Live listeners and their last heartbeat: a silent one's runs are taken over."""
+L = keyexpiry_listener
+
+
+_LOCK_WAIT_MAX_S = 5
+
+ERROR_HISTORY_MAX_CHARS = 32_000
+EARLIER_ERRORS = "\n--- earlier attempts ---\n"
+"""Between a failed run's error and the errors of the attempts before it (newest first)."""
+
+
+def with_earlier_errors(new: Any) -> Any:
+    """`new` error text followed by the row's earlier ones, capped: a task that keeps failing
+    (and one an operator retries) shows every error of its current streak, newest first."""
+    return case(
+        (T.c.last_error.is_(None), new),
+        else_=func.substr(new + EARLIER_ERRORS + T.c.last_error, 1, ERROR_HISTORY_MAX_CHARS),
+    )
+
+
+def make_engine(url: str) -> Engine:
+    """An engine tuned for the ledger: SQLite in WAL mode with a busy timeout, MySQL pre-pinged."""
+    try:
+        if url.startswith("sqlite"):
+            engine = create_engine(
+                url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=10
+            )
+
+            @event.listens_for(engine, "connect")
+            def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+                cur = dbapi_conn.cursor()
+                # WAL lets the CLI read while the listener writes; NORMAL sync is safe in WAL.
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.close()
+
+            return engine
+        engine = create_engine(
+            url,
+            # No pre-ping (a round trip per checkout, on every create and claim): a statement
+            # that finds its connection dead is retried once on a fresh one instead (see
+            # `_retried`); every statement here is safe to repeat.
+            pool_pre_ping=False,
+            pool_reset_on_return=None,  # engine.begin() always ends the transaction itself
+            pool_recycle=1800,
+            pool_size=10,
+            # Claims touch only the rows they name; READ COMMITTED avoids gap locks between
+            # listeners claiming neighbouring keys.
+            isolation_level="READ COMMITTED",
+        )
+
+        event.listen(engine, "connect", _short_lock_waits)
+        return engine
+    except (SQLAlchemyError, ImportError, ValueError) as exc:
+        raise StoreError(f"cannot use database {mask_url(url)}: {redact(str(exc), url)}") from None
+
+
+def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
+    # keyexpiry's own transactions hold row locks for milliseconds: waiting the server's default
+    # 50 s on a row someone else locked would stall the claimer for that long (and again when it
+    # claims around the lock). A lower server setting is kept.
+    cur = dbapi_conn.cursor()
+    cur.execute(
+        "SET SESSION innodb_lock_wait_timeout = "
+        f"LEAST(@@GLOBAL.innodb_lock_wait_timeout, {_LOCK_WAIT_MAX_S})"
+    )
+    cur.close()
+
+
+def _read_committed(dbapi_conn: Any, _record: Any) -> None:
+    # As on the main pool (whose isolation_level says so): an upsert takes no gap locks.
+    cur = dbapi_conn.cursor()
+    cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    cur.close()
+
+
+_CLIENT_FOUND_ROWS = 2
+"""The MySQL protocol's capability flag that makes affected rows count matched rows."""
+
+
+def _changed_rows_only(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    # SQLAlchemy asks every MySQL connection for found rows. Without it, a statement's affected
+    # rows are the rows it changed. (The upsert counts 1 inserted, 2 updated either way: its
+    # update always changes the row, `_moved_on`; that is how a single create knows whether
+    # its key was new, in its one round trip.)
+    cparams["client_flag"] = int(cparams.get("client_flag", 0)) & ~_CLIENT_FOUND_ROWS
+
+
+def autocommit_engine(engine: Engine) -> Engine | None:
+    """A second pool on `engine`'s MySQL/MariaDB database whose connections stay in autocommit,
+    for statements that are a whole transaction by themselves (creating one task).
+
+    On the main pool such a statement costs two round trips (it, then COMMIT); here it costs
+    one, and returning the connection sends nothing (no ROLLBACK). Switching a pooled connection
+    to autocommit and back would cost more round trips than it saves. None on SQLite (no round
+    trips to save) and on SQLAlchemy before 2.0.43 (no `skip_autocommit_rollback`: closing the
+    connection would send a ROLLBACK, as costly as the COMMIT saved).
+    """
+    if engine.dialect.name == "sqlite":
+        return None
+    try:
+        auto = create_engine(
+            engine.url,
+            pool_pre_ping=False,  # as on the main pool: a dead connection is retried instead
+            pool_reset_on_return=None,
+            pool_recycle=1800,
+            pool_size=10,
+            isolation_level="AUTOCOMMIT",
+            skip_autocommit_rollback=True,
+        )
+    except TypeError:
+        return None
+    event.listen(auto, "do_connect", _changed_rows_only)
+    event.listen(auto, "connect", _short_lock_waits)
+    event.listen(auto, "connect", _read_committed)
+    # Whoever closes the ledger disposes of its engine; this pool goes with it.
+    event.listen(engine, "engine_disposed", lambda _engine: auto.dispose())
+    return auto
+
+
+_RUN_COLUMNS = (
+    "started_at_ms", "finished_at_ms", "claimed_by", "lease_until_ms", "last_error", "result",
+)  # fmt: skip
+"""What a run writes and a create clears (NULL)."""
+_RESET_ON_CREATE = (
+    "args", "status", "attempts", "retry_schedule_s", "due_at_ms", "created_at_ms",
+    "updated_at_ms", *_RUN_COLUMNS,
+)  # fmt: skip
+"""What creating an existing key resets: it becomes a fresh pending task with a new due time.
+Its tag is kept unless the create gives one (`_kept_tag`); `updated_at_ms` always moves on
+(`_moved_on`)."""
+
+
+def _kept_tag(new: Any) -> Any:
+    # Tags survive a reschedule: code that moves a task's due time (a debounce) need not know
+    # the tag another part of the application gave it, and must not lose it.
+    return func.coalesce(new, T.c.tag)
+
+
+def _moved_on(greatest: Any, new: Any) -> Any:
+    """`updated_at_ms` of a row a create resets: the create's time, or a millisecond past the
+    row's own when that is not earlier (`greatest`: the dialect's two-argument maximum).
+
+    So a reset always changes the row. Two creates of a key in one millisecond would otherwise
+    write the very values the row holds, and MySQL/MariaDB count such a row 1 in affected rows
+    with found rows, as they count an inserted row (0 without): a create on the main pool
+    (every bulk create) took the reset for an insert. Changed, it counts 2 either way.
+    """
+    return greatest(new, T.c.updated_at_ms + literal_column("1"))
+
+
+_FRESH = {
+    "status": literal_column(f"'{TaskStatus.PENDING.value}'"),
+    "attempts": literal_column("0"),
+    **{c: null() for c in _RUN_COLUMNS},
+}
+"""What a create writes into every row it resets, the same for every task: on MySQL/MariaDB the
+update clause sets these as constants, which the server parses and resolves for less than a
+`VALUES(col)` each (single creates 1.06x in-process, 1.01-1.03x in `bench --scenario create`),
+and an inserted row takes the NULLs as its columns' default."""
+
+
+def upsert_statement(dialect: str) -> Any:
+    """INSERT … ON CONFLICT/DUPLICATE KEY UPDATE for `dialect`, built once per store."""
+    if dialect == "sqlite":
+        ins = sqlite.insert(T)
+        return ins.on_conflict_do_update(
+            index_elements=[T.c.task_key],
+            set_={
+                **{c: ins.excluded[c] for c in _RESET_ON_CREATE},
+                # The same rows on both ledgers (SQLite tells inserts apart by id).
+                "updated_at_ms": _moved_on(func.max, ins.excluded.updated_at_ms),
+                "tag": _kept_tag(ins.excluded.tag),
+            },
+        )
+    # Every inserted column a bound value: PyMySQL folds an executemany into multi-row INSERTs
+    # only when the VALUES clause holds nothing but placeholders (a literal there means a round
+    # trip a row). The update clause is not part of that fold: its constants cost nothing there.
+    mins = mysql.insert(T)
+    return mins.on_duplicate_key_update(
+        {
+            **{c: _FRESH.get(c, mins.inserted[c]) for c in _RESET_ON_CREATE},
+            "updated_at_ms": _moved_on(func.greatest, mins.inserted.updated_at_ms),
+            "tag": _kept_tag(mins.inserted.tag),
+        }
+    )
+
+
+_LITERAL_COLUMNS = (
+    "task_key", "class_name", "method", "args", "status", "attempts", "retry_schedule_s",
+    "due_at_ms", "created_at_ms", "updated_at_ms", "tag",
+)  # fmt: skip
+"""The columns `LiteralUpsert.statements` writes, in the order of its row literal (the run
+columns are left to their default, NULL: a shorter row for the server to parse)."""
+_ONE_ROW = re.compile(r"(INSERT INTO .*? VALUES )\(((?:%\(\w+\)s, )*%\(\w+\)s)\)(.*)", re.DOTALL)
+
+LITERAL_STATEMENT_MAX_BYTES = 1_000_000
+"""A bulk upsert is cut into statements of at most this size, as PyMySQL cuts its own multi-row
+INSERTs: below the smallest `max_allowed_packet` a server is likely to have (1 MiB)."""
+PIPELINED_STATEMENT_BYTES = 128_000
+"""The statement size of a bulk create's upsert (about 1,000 rows): small enough that building
+the next statement overlaps most of the server's work on this one (`Ledger._pipelined`), large
+enough that a round trip per statement costs nothing measurable."""
+
+
+class LiteralUpsert:
+    """The MySQL/MariaDB upsert that `upsert_statement` renders, with its rows written into
+    VALUES here instead of bound by the driver (PyMySQL).
+
+    PyMySQL escapes each of the 17 bound values of a row in Python, through a type dispatch: most
+    of a bulk create's time. Here a row is one f-string: the caller's strings (key, names,
+    arguments, schedule) escaped by the connection itself (which follows the server's
+    NO_BACKSLASH_ESCAPES), numbers formatted as integers, and the constants of a fresh pending row
+    written as literals. The statement is SQLAlchemy's, so the ON DUPLICATE KEY UPDATE clause
+    (`VALUES(col)`, or the `AS new` alias on MySQL 8) is exactly what the bound upsert sends.
+    """
+
+    def __init__(self, dialect: Dialect) -> None:
+        # Rendered by the dialect of a connected engine: the upsert's form depends on the server.
+        sql = str(
+            upsert_statement(dialect.name).compile(
+                dialect=dialect, column_keys=list(_LITERAL_COLUMNS)
+            )
+        )
+        match = _ONE_ROW.fullmatch(sql)
+        names = re.findall(r"%\((\w+)\)s", match.group(2)) if match else []
+        if (
+            match is None
+            or tuple(names) != _LITERAL_COLUMNS
+            or "%" in match.group(1) + match.group(3)
+        ):
+            raise StoreError(f"unexpected form of the upsert statement: {sql[:300]}")
+        self._head, self._tail = match.group(1), match.group(3)
+        self._pending = "'" + TaskStatus.PENDING.value + "'"
+
+    def one(self, escape: Callable[[str], str], task: NewTask, now_ms: int) -> str:
+        """The statement that inserts or resets `task` alone."""
+        return self._head + self._row(escape, task, int(now_ms), {}) + self._tail
+
+    def _row(
+        self, escape: Callable[[str], str], t: NewTask, now: int, names: dict[tuple[str, str], str]
+    ) -> str:
+        # A bulk create is mostly of one or a few task methods: their names are quoted once.
+        quoted = names.get((t.class_name, t.method))
+        if quoted is None:
+            quoted = names[t.class_name, t.method] = f"{escape(t.class_name)},{escape(t.method)}"
+        schedule = schedule_json(t.retry_schedule_s)
+        return (
+            f"({escape(t.key)},{quoted},{escape(args_json(t.args))},{self._pending},0,"
+            f"{'NULL' if schedule is None else escape(schedule)},{int(t.due_at_ms)},"
+            f"{now},{now},{'NULL' if t.tag is None else escape(t.tag)})"
+        )
+
+    def statements(
+        self,
+        escape: Callable[[str], str],
+        tasks: Iterable[NewTask],
+        now_ms: int,
+        max_bytes: int = LITERAL_STATEMENT_MAX_BYTES,
+    ) -> Iterator[str]:
+        """The statements that insert or reset `tasks` as pending: as few as fit `max_bytes`.
+
+        `escape` turns a string into a quoted SQL literal: the driver connection's `escape`.
+        """
+        now = int(now_ms)
+        names: dict[tuple[str, str], str] = {}
+        rows: list[str] = []
+        size = len(self._head) + len(self._tail)
+        row_of = self._row
+        for t in tasks:
+            row = row_of(escape, t, now, names)
+            n = (len(row) if row.isascii() else len(row.encode())) + 1
+            if rows and size + n > max_bytes:
+                yield self._head + ",".join(rows) + self._tail
+                rows, size = [], len(self._head) + len(self._tail)
+            rows.append(row)
+            size += n
+        if rows:
+            yield self._head + ",".join(rows) + self._tail

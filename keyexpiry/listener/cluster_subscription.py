@@ -1,0 +1,302 @@
+"""The subscription on a Redis Cluster: one pub/sub connection per primary, read through one
+selector, following the topology.
+
+Each primary announces only the keys it holds, so every primary gets its own `PubSub` on
+`expired` and `evicted`; the wake channel is sharded (`SSUBSCRIBE` on the primary serving its
+slot). One `select` waits on all of them and a ready connection is read with the same `_drain`
+fast path as a single server's. Every `refresh_s` the slot table is read again: a primary that
+appeared (failover, node added) is subscribed, one that stopped serving slots is dropped, and a
+change of who serves which slots asks for a reconciliation, which finds in the ledger what
+expired unheard meanwhile (events during a switch are lost by nature). A lost node connection
+ends that node's subscription only; the others go on.
+"""
+
+from __future__ import annotations
+
+import selectors
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from loguru import logger
+from redis.crc import key_slot
+
+from keyexpiry.clock import monotonic_s
+from keyexpiry.errors import RedisConfigError
+from keyexpiry.listener.subscription import (
+    _MAX_MESSAGES_PER_STEP,
+    _MESSAGE_TYPES,
+    CONNECTION_ERRORS,
+    Subscription,
+)
+from keyexpiry.redis.cluster import ClusterNodes, Topology
+from keyexpiry.redis.server import (
+    REPLICA_PROBLEM,
+    check_notifications,
+    check_replica_notifications,
+    config_value,
+    eviction_warning,
+    subscribe_confirmed,
+)
+
+REFRESH_S = 1.0
+"""How often the slot table is read: a new primary is subscribed within about this long of the
+cluster announcing it (after a failover, the node timeout and the election come first)."""
+
+
+@dataclass(eq=False)
+class _Feed:
+    """One primary's subscription."""
+
+    address: str
+    client: redis.Redis
+    pubsub: Any
+    wake: bool
+    """Whether this primary's subscription holds the (sharded) wake channel."""
+    unread: bool = True
+    """Messages may wait in the parser's buffer (select cannot tell): read before selecting."""
+
+
+class ClusterSubscription(Subscription):
+    """`Subscription` over every primary of a cluster (see the module docstring)."""
+
+    refresh_s = REFRESH_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        assert self.rt.cluster is not None
+        self.cluster: ClusterNodes = self.rt.cluster
+        self._feeds: dict[str, _Feed] = {}
+        self._selector = selectors.DefaultSelector()
+        self.topology: Topology | None = None
+        self._next_refresh_s = 0.0
+        self._wake_slot = key_slot(self.wake_channel.encode())
+        self._node_problems: dict[str, str] = {}
+        self.resubscribed = 0
+        """Primaries subscribed after the first connect (failover, node added, reconnects)."""
+
+    @property
+    def addresses(self) -> list[str]:
+        """The primaries subscribed now."""
+        return sorted(self._feeds)
+
+    def selected_sockets(self) -> set[int]:
+        """ids of the sockets the selector waits on (for tests)."""
+        return {id(key.fileobj) for key in dict(self._selector.get_map()).values()}
+
+    def current_sockets(self) -> set[int]:
+        """ids of the sockets the subscriptions read now (for tests)."""
+        return {id(getattr(f.pubsub.connection, "_sock", None)) for f in self._feeds.values()}
+
+    # --- connect ------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Read the topology, check every node, subscribe every primary; at least one must be
+        subscribed (the others are tried again at every refresh)."""
+        health = self._health
+        topology = self.cluster.topology()
+        first = not self.connected_once
+        self._check_nodes(topology, first=first)
+        self.rt.clock.sync()
+        for address in topology.primaries:
+            try:
+                self._subscribe(address, topology)
+            except CONNECTION_ERRORS as exc:
+                logger.warning("cannot subscribe to primary {} yet: {}", address, exc)
+        if not self._feeds:
+            raise redis.ConnectionError("no cluster primary could be subscribed")
+        self.topology = topology
+        self._next_refresh_s = monotonic_s() + self.refresh_s
+        health.subscribed.set()
+        health.arm_sentinels(fresh=False)
+        reason = "reconnect" if self.connected_once else "start-up"
+        self.connected_once = True
+        logger.info(
+            "subscribed to {} on {} of {} cluster primaries: {} ({})",
+            self.channel,
+            len(self._feeds),
+            len(topology.primaries),
+            topology.describe(),
+            reason,
+        )
+        if health.problem not in (None, REPLICA_PROBLEM) and not self._node_problems:
+            logger.warning("Redis serves this listener again (was: {})", health.problem)
+            health.problem = None
+        self._request_reconcile(reason)
+
+    def _check_nodes(self, topology: Topology, *, first: bool) -> None:
+        """Notifications on every node, replicas included (a replica promoted later must already
+        announce expiries): turned on where missing with `configure_redis`, else a primary
+        without them is an error at start-up and a logged problem later."""
+        configure = self.rt.settings.configure_redis
+        self._node_problems.clear()
+        policies: list[str | None] = []
+        for address in topology.nodes:
+            try:
+                client = self.cluster.admin(address)
+                primary = address in topology.slots
+                if primary:
+                    warning = check_notifications(client, configure=configure)
+                    eviction = eviction_warning(client)
+                    if eviction:
+                        logger.warning("{}: {}", address, eviction)
+                    policies.append(config_value(client, "maxmemory-policy"))
+                else:
+                    warning = check_replica_notifications(client, configure=configure)
+                if warning:
+                    logger.warning("{}: {}", address, warning)
+            except RedisConfigError as exc:
+                message = f"cluster node {address}: {exc}"
+                if first and address in topology.slots:
+                    raise RedisConfigError(message) from None
+                self._node_problems[address] = message
+                logger.error("{}", message)
+            except CONNECTION_ERRORS as exc:
+                logger.debug("cannot check cluster node {}: {}", address, exc)
+        if self._node_problems:
+            self._health.problem = "; ".join(self._node_problems.values())
+        # CONFIG blocked (None) on any primary: eviction cannot be ruled out.
+        self._health.eviction_possible = any(p != "noeviction" for p in policies)
+
+    def _subscribe(self, address: str, topology: Topology) -> None:
+        client = self.cluster.subscriber(address)
+        pubsub: Any = client.pubsub()  # type: ignore[no-untyped-call]
+        try:
+            subscribe_confirmed(pubsub, [self.channel, self.evicted_channel])
+            wake = self.rt.settings.driver and topology.owner(self._wake_slot) == address
+            if wake:
+                _ssubscribe_confirmed(pubsub, self.wake_channel)
+        except BaseException:
+            pubsub.close()
+            client.close()
+            raise
+        pubsub.connection.register_connect_callback(self._on_reconnect)
+        feed = _Feed(address, client, pubsub, wake)
+        self._feeds[address] = feed
+        self._register_sockets()
+        if self.connected_once:
+            self.resubscribed += 1
+
+    # --- read ---------------------------------------------------------------------------------
+    def step(self, timeout_s: float) -> int:
+        """Handle the messages that arrive within `timeout_s` on any primary; refresh the
+        topology when due. Return how many messages were read."""
+        if self._gap.is_set():
+            # redis-py reconnected a node's pub/sub on a new socket: select the new ones.
+            self._register_sockets()
+        self._check_gaps()
+        now_s = monotonic_s()
+        if now_s >= self._next_refresh_s:
+            self._refresh(now_s)
+        feeds = list(self._feeds.values())
+        # Messages already read off a socket into the parser (a drain cut short, a subscribe
+        # confirmation read with an event behind it) are not seen by select: read those first.
+        ready = [f for f in feeds if f.unread]
+        if not ready:
+            wait_s = max(0.0, min(timeout_s, self._next_refresh_s - monotonic_s()))
+            if feeds:
+                ready = [key.data for key, _ in self._selector.select(wait_s)]
+            else:
+                self._stop.wait(wait_s)
+        count = 0
+        for feed in ready:
+            try:
+                msg = feed.pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+                if msg is not None and msg.get("type") in _MESSAGE_TYPES:
+                    self._dispatch(msg["channel"], msg["data"])
+                drained = self._drain(feed.pubsub)
+                feed.unread = drained >= _MAX_MESSAGES_PER_STEP
+                count += (msg is not None) + drained
+            except CONNECTION_ERRORS as exc:
+                self._lose(feed, f"connection lost ({exc})")
+        return count
+
+    def _refresh(self, now_s: float) -> None:
+        """Follow the topology: subscribe new primaries, drop former ones, reconcile on change."""
+        self._next_refresh_s = now_s + self.refresh_s
+        try:
+            topology = self.cluster.topology()
+        except CONNECTION_ERRORS as exc:
+            logger.warning("cannot read the cluster topology: {}", exc)
+            return
+        old = self.topology
+        moved = topology.moved_from(old) if old is not None else []
+        for address, feed in list(self._feeds.items()):
+            wake_moved = feed.wake != (topology.owner(self._wake_slot) == address)
+            if address not in topology.slots:
+                self._lose(feed, "no longer serves any slot")
+            elif wake_moved and self.rt.settings.driver:
+                self._lose(feed, "the wake channel's slot moved")
+            else:
+                try:
+                    feed.pubsub.check_health()  # a quiet node's half-open socket shows here
+                except CONNECTION_ERRORS as exc:
+                    self._lose(feed, f"health check failed ({exc})")
+        added = []
+        for address in topology.primaries:
+            if address in self._feeds:
+                continue
+            try:
+                self._subscribe(address, topology)
+                added.append(address)
+            except CONNECTION_ERRORS as exc:
+                logger.debug("cannot subscribe to primary {} yet: {}", address, exc)
+        self.topology = topology
+        if moved or added:
+            if added:
+                self._check_nodes(topology, first=False)
+                self.gaps += 1
+                self._health.connection_gap()
+            logger.warning(
+                "cluster topology changed (slots moved on {}; subscribed to {}): now {}; "
+                "reconciling what may have expired unheard",
+                ", ".join(moved) or "none",
+                ", ".join(added) or "none",
+                topology.describe(),
+            )
+            self._request_reconcile("topology")
+
+    def _lose(self, feed: _Feed, why: str) -> None:
+        logger.warning("dropped the subscription to cluster node {}: {}", feed.address, why)
+        self._close_feed(feed)
+        # Read the slot table again soon: a replica may be promoted in its place.
+        self._next_refresh_s = min(self._next_refresh_s, monotonic_s() + 0.1)
+
+    def _register_sockets(self) -> None:
+        """A fresh selector over every feed's current socket (a reconnect replaces it, and a
+        closed socket's descriptor may be reused by another)."""
+        self._selector.close()
+        self._selector = selectors.DefaultSelector()
+        for feed in self._feeds.values():
+            sock = getattr(feed.pubsub.connection, "_sock", None)
+            if sock is not None:
+                self._selector.register(sock, selectors.EVENT_READ, feed)
+
+    def _close_feed(self, feed: _Feed) -> None:
+        self._feeds.pop(feed.address, None)
+        self._register_sockets()
+        try:
+            if feed.pubsub.connection is not None:
+                feed.pubsub.connection.deregister_connect_callback(self._on_reconnect)
+            feed.pubsub.close()
+            feed.client.close()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        """Drop every primary's subscription."""
+        for feed in list(self._feeds.values()):
+            self._close_feed(feed)
+        # The selector holds the file objects of closed sockets otherwise.
+        self._selector.close()
+        self._selector = selectors.DefaultSelector()
+
+
+def _ssubscribe_confirmed(pubsub: Any, channel: str, timeout_s: float = 10.0) -> None:
+    pubsub.ssubscribe(channel)
+    deadline = monotonic_s() + timeout_s
+    while True:
+        if monotonic_s() > deadline:
+            raise redis.TimeoutError(f"no ssubscribe confirmation within {timeout_s:g} s")
+        msg = pubsub.get_message(timeout=0.5)
+        if msg is not None and msg.get("type") == "ssubscribe":
+            return

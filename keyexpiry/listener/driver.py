@@ -1,0 +1,240 @@
+"""The expiry driver: make Redis announce each task key at its due time, not whenever it notices.
+
+Redis publishes `expired` only when it deletes a key: on a lookup, or in a background sweep that
+samples about 20 keys per tick. Among many keys with far-away TTLs a due key can wait minutes.
+The driver keeps a window of upcoming (key, due) pairs read from the ledger's (status, due_at_ms,
+…) index, sleeps until the next due time, and looks the due keys up (PTTL), which makes Redis expire
+them and publish `expired` on the spot. The event stays the one dispatch path.
+
+Lookups come in passes at most one tick apart: a key due alone is looked up at its due time, keys
+falling due while a pass was recent wait for the next tick and go together. Every expiry sets off a
+chain of work (an event to read, a claim transaction, an outcome to record); keys that expire in the
+same instant share it, so a busy listener pays it once per tick rather than once per key.
+
+Tasks created after a window was read arrive through the wake channel (creators publish tasks due
+soon). One listener at a time drives, elected by a Redis lock, so lookups are not multiplied.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Iterable
+from typing import cast
+
+import redis
+from loguru import logger
+from redis.cluster import RedisCluster
+
+from keyexpiry.errors import StoreError
+from keyexpiry.keys import driver_lock_key
+from keyexpiry.redis.cluster import by_node
+from keyexpiry.runtime import Runtime
+from keyexpiry.threads import ThreadErrors, spawn
+
+# A key still alive this close to its due time is looked up again at its real expiry time;
+# beyond it the task was rescheduled (the wake channel or the next read brings the new time).
+_RECHECK_MS = 50
+_LOOKUP_BATCH = 1000
+# The shortest time between two lookup passes: the most a busy stream of keys waits past its due
+# time for the driver, traded for keys looked up, announced and claimed together.
+TICK_MS = 4
+_LEASE_MS = 5000
+_RENEW = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
+"""
+# One command for a whole pass, where a pipeline costs the client a command to pack and a reply to
+# parse per key. A key past its due time is expired (and announced) by its lookup in the script
+# as by a plain PTTL.
+_LOOK_UP = """
+local out = {}
+for i = 1, #KEYS do
+  out[i] = redis.call('pttl', KEYS[i])
+end
+return out
+"""
+
+
+class ExpiryDriver:
+    """Looks due keys up at their due time; bounded to `driver_max_rows` upcoming entries."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.store, self.redis, self.clock = rt.store, rt.redis, rt.clock
+        self.settings, self.owner = rt.settings, rt.owner
+        self.lookups = 0
+        self.forced = 0
+        self.passes = 0
+        """Lookup passes made (`lookups / passes` keys per pass)."""
+        self.is_leader = False
+        self._heap: list[tuple[int, str]] = []
+        self._lock = threading.Lock()
+        self._horizon_ms = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._errors = ThreadErrors()
+        self._renew = self.redis.register_script(_RENEW)
+        self._pttls = self.redis.register_script(_LOOK_UP)
+        self._lock_key = driver_lock_key(rt.settings.key_prefix)
+        self._lease_checked_ms = 0
+        self._last_pass_ms = -TICK_MS
+
+    def start(self, errors: ThreadErrors | None = None) -> None:
+        """Run the driver on its own thread; unexpected exceptions are counted in `errors`."""
+        self._errors = errors or ThreadErrors()
+        self._thread = spawn("driver", self._loop, stopped=self._stop, errors=self._errors)
+
+    def stop(self) -> None:
+        """Stop and give up the lock so another listener takes over at once."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.is_leader:
+            try:
+                if self.redis.get(self._lock_key) == self.owner.encode():
+                    self.redis.delete(self._lock_key)
+            except redis.RedisError:
+                pass
+
+    def note(self, items: Iterable[tuple[str, int]]) -> None:
+        """Tasks announced on the wake channel: track those inside the current window."""
+        if not self.is_leader:
+            return
+        added = False
+        with self._lock:
+            for key, due_ms in items:
+                # Beyond the horizon the next window read finds it; inside, only this note does.
+                if due_ms <= self._horizon_ms and len(self._heap) < self.settings.driver_max_rows:
+                    heapq.heappush(self._heap, (due_ms, key))
+                    added = True
+        if added:
+            self._wake.set()
+
+    def pending_count(self) -> int:
+        """Entries waiting in the window (for status and the benchmark)."""
+        with self._lock:
+            return len(self._heap)
+
+    # --- loop ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        backoff_s = self.settings.reconnect_initial_s
+        while not self._stop.is_set():
+            try:
+                timeout_s = self._step()
+                backoff_s = self.settings.reconnect_initial_s
+            except (redis.RedisError, StoreError, OSError) as exc:
+                # A replica refusing the lock's write is reported once, by the listener.
+                log = logger.debug if isinstance(exc, redis.ReadOnlyError) else logger.warning
+                log("expiry driver: {}; retrying in {:.1f} s", exc, backoff_s)
+                timeout_s = backoff_s
+                backoff_s = min(backoff_s * 2, self.settings.reconnect_max_s)
+            except Exception:
+                self._errors.add("driver")
+                logger.exception("expiry driver failed; retrying")
+                timeout_s = backoff_s
+            self._wake.wait(timeout_s)
+            self._wake.clear()
+
+    def _step(self) -> float:
+        """One pass: keep the lock, read the window, look due keys up; return seconds to sleep."""
+        now_ms = self.clock.now_ms()
+        if not self._hold_lock(now_ms):
+            return 1.0
+        window_ms = int(self.settings.driver_window_s * 1000)
+        if self._horizon_ms - now_ms < window_ms // 2:
+            self._read_window(now_ms, window_ms)
+        next_pass = self._last_pass_ms + TICK_MS
+        due: list[tuple[int, str]] = []
+        with self._lock:
+            next_due = self._heap[0][0] if self._heap else None
+            # Before the tick is over a due key waits for the keys falling due with it.
+            if next_due is not None and next_due <= now_ms and now_ms >= next_pass:
+                while self._heap and self._heap[0][0] <= now_ms:
+                    due.append(heapq.heappop(self._heap))
+                next_due = self._heap[0][0] if self._heap else None
+        if due:
+            self._last_pass_ms = now_ms
+            self._look_up(due, now_ms)
+            next_pass = now_ms + TICK_MS
+            with self._lock:  # the lookups may have put a key back (alive a hair longer)
+                next_due = self._heap[0][0] if self._heap else None
+            now_ms = self.clock.now_ms()
+        next_read = self._horizon_ms - window_ms // 2
+        wake_at = next_read if next_due is None else min(max(next_due, next_pass), next_read)
+        # Re-check the lock at least once a second; never sleep past the next due time (or tick).
+        return max(0.0, min((wake_at - now_ms) / 1000.0, 1.0))
+
+    def _hold_lock(self, now_ms: int) -> bool:
+        if self.is_leader and now_ms - self._lease_checked_ms < _LEASE_MS // 5:
+            return True
+        held = bool(self._renew(keys=[self._lock_key], args=[self.owner, _LEASE_MS]))
+        self._lease_checked_ms = now_ms
+        if held and not self.is_leader:
+            logger.info("expiry driver: this listener drives expiries")
+            # Pick up from a little in the past: what the previous driver may not have reached.
+            with self._lock:
+                self._heap.clear()
+                self._horizon_ms = now_ms - 5000
+        elif not held and self.is_leader:
+            logger.info("expiry driver: another listener took over")
+            with self._lock:
+                self._heap.clear()
+        self.is_leader = held
+        return held
+
+    def _read_window(self, now_ms: int, window_ms: int) -> None:
+        upto = now_ms + window_ms
+        with self._lock:
+            room = self.settings.driver_max_rows - len(self._heap)
+            after = self._horizon_ms
+        if room <= 0:
+            return
+        rows = self.store.upcoming(after_ms=after, upto_ms=upto, limit=room)
+        with self._lock:
+            for key, due_ms in rows:
+                heapq.heappush(self._heap, (due_ms, key))
+            # A full read stops at its last due time, so nothing between is skipped.
+            self._horizon_ms = rows[-1][1] if len(rows) == room else upto
+
+    def _pttl_each(self, keys: list[str]) -> list[int]:
+        if self.rt.cluster is None:
+            return list(self._pttls(keys=keys))
+        # Keys of many slots: a script cannot span them. One plain pipeline per primary; a
+        # slot that moved meanwhile (MOVED) goes through the cluster pipeline, which follows it.
+        out = [0] * len(keys)
+        try:
+            for node, positions in by_node(cast(RedisCluster, self.redis), keys):
+                pipe = node.pipeline(transaction=False)
+                for i in positions:
+                    pipe.pttl(keys[i])
+                for i, pttl in zip(positions, pipe.execute(), strict=True):
+                    out[i] = int(pttl)
+        except redis.ResponseError:
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.pttl(key)
+            return [int(p) for p in pipe.execute()]
+        return out
+
+    def _look_up(self, due: list[tuple[int, str]], now_ms: int) -> None:
+        for start in range(0, len(due), _LOOKUP_BATCH):
+            chunk = due[start : start + _LOOKUP_BATCH]
+            results = self._pttl_each([key for _, key in chunk])
+            self.lookups += len(chunk)
+            self.passes += start == 0
+            again: list[tuple[int, str]] = []
+            for (_, key), pttl in zip(chunk, results, strict=True):
+                pttl = int(pttl)
+                if pttl == -2:
+                    self.forced += 1  # expired by this lookup (or already gone)
+                elif 0 <= pttl <= _RECHECK_MS:
+                    again.append((now_ms + pttl + 1, key))  # our clock is a hair early
+            if again:
+                with self._lock:
+                    for item in again:
+                        heapq.heappush(self._heap, item)

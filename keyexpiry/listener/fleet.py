@@ -1,0 +1,186 @@
+"""Listeners know each other by heartbeats: each writes its row every `heartbeat_s`; one silent
+for `takeover_after_s` is dead, and whichever live listener notices first requeues its running
+tasks. A killed listener's work then waits seconds, not its handlers' timeout plus the lease
+grace; a slow listener keeps beating (its own thread), so its runs are never taken.
+
+Only a listener that has itself beaten without a gap for a whole takeover window judges others:
+after a database outage (or this process being frozen) every heartbeat is old, and the first
+listener back must not take over peers that are alive but have not had their turn to beat.
+
+Each beat also reads who is live and recomputes this listener's share of the keys
+(`keyexpiry.listener.partition`): a peer silent for three beats is out of the share already
+(its runs are still its own until `takeover_after_s`); buckets a listener gains had no
+listener, so their overdue rows are run now."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+import redis
+from loguru import logger
+
+from keyexpiry.clock import monotonic_s
+from keyexpiry.errors import StoreError
+from keyexpiry.keys import task_class_of
+from keyexpiry.ledger.heartbeats import ListenerRow
+from keyexpiry.listener.partition import BUCKETS, Partition, bucket_of
+from keyexpiry.listener.reconcile import Reconciler
+from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
+
+# More overdue rows than this at a takeover are left to the periodic overdue repair (re-armed).
+_CATCH_UP_ROWS = 10_000
+
+
+def share_silence_s(settings: Settings) -> float:
+    """How long a listener's heartbeat may be silent before peers drop it from the share of the
+    keys: three beats (at least 2 s), at most `takeover_after_s`.
+
+    Sooner than the takeover of its runs: a wrong drop only makes two listeners try the same
+    keys for a moment (the claim still picks one), while a dead listener's share waits for
+    this long with nobody claiming it. A floor of 2 s keeps a beat delayed by a loaded machine
+    from reshuffling the share."""
+    return min(settings.takeover_after_s, max(3 * settings.heartbeat_s, 2.0))
+
+
+class Fleet:
+    """This listener's heartbeat and the takeover of silent peers."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        reconciler: Reconciler,
+        running: Callable[[], int],
+        submit: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        self.rt = rt
+        self._reconciler = reconciler
+        self._running = running
+        self._submit = submit
+        # Buckets given up are kept for two beats: peers read the change within one.
+        self.partition = Partition(
+            rt.owner, rt.registry.class_names(), hold_s=2 * rt.settings.heartbeat_s
+        )
+        self.caught_up = 0
+        """Overdue tasks of gained buckets handed to the claimer (their events had no one)."""
+        self._started_ms: int | None = None
+        self.failing = False
+        """True while heartbeats cannot be written (peers will take this listener's runs)."""
+        self.beats = 0
+        self.failed_beats = 0
+        self._steady_since_s: float | None = None
+        """Monotonic time since which this listener's beats have come without a gap."""
+        self._last_beat_s = -1e18
+        self.takeovers = 0
+        """Silent listeners whose runs this one requeued."""
+
+    def beat(self) -> None:
+        """Write the heartbeat, then take over any peer silent for too long."""
+        now_ms = self.rt.clock.extrapolated_ms()
+        if self._started_ms is None:
+            self._started_ms = now_ms
+        row = ListenerRow(
+            self.rt.owner, socket.gethostname(), os.getpid(), self._started_ms, now_ms,
+            self._running(), self.rt.registry.class_names(),
+        )  # fmt: skip
+        self.partition.set_classes(row.classes or frozenset())
+        self.rt.store.beat(row)
+        self.beats += 1
+        settings = self.rt.settings
+        self._share(now_ms - int(share_silence_s(settings) * 1000), now_ms)
+        beat_s = monotonic_s()
+        if self._steady_since_s is None or beat_s - self._last_beat_s > 2 * settings.heartbeat_s:
+            self._steady_since_s = beat_s  # a gap (outage, freeze): start a new streak
+        self._last_beat_s = beat_s
+        if beat_s - self._steady_since_s < settings.takeover_after_s:
+            return
+        silent_before = now_ms - int(settings.takeover_after_s * 1000)
+        for peer in self.rt.store.silent(silent_before):
+            if peer != self.rt.owner:
+                self._take_over(peer, silent_before)
+
+    def _share(self, live_since_ms: int, now_ms: int) -> None:
+        members = self.rt.store.live_members(live_since_ms)
+        before = self.partition.peers
+        gained = self.partition.update(members, monotonic_s())
+        if self.partition.peers != before:
+            logger.info(
+                "sharing the task keys with {} other listener(s): {} of {} buckets here",
+                self.partition.peers,
+                self.partition.owned_buckets(),
+                len(self.partition.classes) * BUCKETS,
+            )
+        if gained:
+            self._catch_up(gained, now_ms)
+
+    def _catch_up(self, gained: dict[str, set[int]], now_ms: int) -> None:
+        """Run the overdue rows of buckets just gained: while nobody owned them (a peer died,
+        not yet silent long enough), their expired events were heard and dropped by all."""
+        if self._submit is None:
+            return
+        prefix = self.rt.settings.key_prefix.encode()
+
+        def gained_key(key: str) -> bool:
+            raw = key.encode()
+            buckets = gained.get(task_class_of(raw, prefix) or "")
+            return buckets is not None and bucket_of(raw) in buckets
+
+        # Paged past the overdue rows of other buckets, which may come first by the thousand.
+        keys = [k for k, _ in self._reconciler.overdue_keys(now_ms, _CATCH_UP_ROWS, gained_key)]
+        if keys:
+            self.caught_up += len(keys)
+            logger.info("{} overdue task(s) of buckets taken over: claiming them", len(keys))
+            self._submit(keys)
+
+    def stopping(self) -> bool:
+        """Begin a graceful stop: mark this listener's row so peers take its keys at their next
+        beat. Return whether any peer shares them (then keep serving for `partition.hold_s`)."""
+        if self.partition.peers == 0:
+            return False
+        try:
+            self.rt.store.mark_stopping(self.rt.owner, self.rt.clock.extrapolated_ms())
+        except (StoreError, redis.RedisError, OSError) as exc:
+            logger.warning("could not hand this listener's keys over before stopping: {}", exc)
+            return False
+        return True
+
+    def _take_over(self, peer: str, silent_before_ms: int) -> None:
+        report = self._reconciler.requeue_runs_of(peer)
+        # Deleted only if still silent: a paused listener that resumed meanwhile keeps its row.
+        if self.rt.store.forget(peer, silent_before_ms=silent_before_ms):
+            self.takeovers += 1
+            logger.warning(
+                "listener {} silent for over {:g} s: took over, {} running task(s) requeued, "
+                "{} dead",
+                peer,
+                self.rt.settings.takeover_after_s,
+                report.lease_expired - report.dead,
+                report.dead,
+            )
+
+    def loop(self, stopped: threading.Event) -> None:
+        """Beat every `heartbeat_s` until `stopped`; then remove this listener's row."""
+        while not stopped.is_set():
+            try:
+                self.beat()
+                if self.failing:
+                    logger.info("heartbeats are written again")
+                self.failing = False
+            except (StoreError, redis.RedisError, OSError) as exc:
+                self._steady_since_s = None
+                self.failed_beats += 1
+                if not self.failing:
+                    logger.warning("cannot write this listener's heartbeat: {}", exc)
+                self.failing = True
+            stopped.wait(self.rt.settings.heartbeat_s)
+        self.leave()
+
+    def leave(self) -> None:
+        """Remove this listener's row (a clean stop is not a death to take over)."""
+        try:
+            self.rt.store.forget(self.rt.owner)
+        except (StoreError, redis.RedisError, OSError) as exc:
+            logger.debug("could not remove this listener's heartbeat row: {}", exc)

@@ -1,0 +1,254 @@
+"""Loss control: is Redis still telling this listener about expired keys? The canary, the
+sentinel keys, the replica (read-only) state, and the periodic self-check that repairs what no
+event announced."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+from loguru import logger
+
+from keyexpiry.clock import monotonic_s
+from keyexpiry.keys import canary_key, sentinel_key
+from keyexpiry.listener.reconcile import Reconciler
+from keyexpiry.masking import mask_url
+from keyexpiry.redis.server import REPLICA_PROBLEM
+from keyexpiry.runtime import Runtime
+
+_CANARY_PATIENCE_S = 30.0
+"""How long the canary's event may lag behind a stream of other expired events."""
+_CANARY_LOOKUPS = 20
+"""Lookups that expire the canary, a millisecond apart (see `Health._expire_canaries`)."""
+
+
+class Health:
+    """What this listener knows of Redis's event flow, and the checks that keep it honest."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        reconciler: Reconciler,
+        *,
+        events: Callable[[], int],
+        backlog: Callable[[], int],
+        request_reconcile: Callable[[str], None],
+        mine: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.rt = rt
+        self._reconciler = reconciler
+        self._events = events
+        self._backlog = backlog
+        self._mine = mine
+        self._request_reconcile = request_reconcile
+        self.subscribed = threading.Event()
+        self.events_arriving = True
+        """False while the canary's expiry event does not come back (see `self_check`)."""
+        self.problem: str | None = None
+        """Why Redis cannot serve this listener right now (a replica, refused credentials)."""
+        self.reconnect_wanted = False
+        """Set when the subscription must be rebuilt (a lost canary looks like a dead socket)."""
+        self.eviction_possible = True
+        """False when the server's maxmemory-policy is noeviction (read at every connect)."""
+        self.canaries_seen = 0
+        self.canary = canary_key(rt.owner, rt.settings.key_prefix)
+        self._canary_seen = threading.Event()
+        self._canaries_pending: dict[bytes, str] = {}
+        """Canary keys sent and not heard back yet (one per cluster primary), and their tag."""
+        self._canary_sent_s: float | None = None
+        self._canary_first_sent_s = 0.0  # when the canary now awaited was first sent
+        self._canary_events = 0  # events heard when the canary went out
+        self._last_lease_check_s = 0.0
+        self._last_canary_s = 0.0
+
+    # --- what the subscription reports --------------------------------------------------------
+    def canary_arrived(self, *, expired: bool, key: bytes | None = None) -> None:
+        """Our canary's event came back (expired, or evicted before it could); on a cluster,
+        once every primary's canary (`key`) has."""
+        if expired:
+            self.canaries_seen += 1
+        if key is not None:
+            self._canaries_pending.pop(key, None)
+            if self._canaries_pending:
+                return
+        self._canary_seen.set()
+
+    def connection_gap(self) -> None:
+        """The subscription dropped: the canary's event may have been lost, send another."""
+        self._canary_sent_s = None
+
+    def started(self, now_s: float) -> None:
+        """The periodic checks count from now."""
+        self._last_lease_check_s = now_s
+        self._last_canary_s = now_s
+
+    # --- sentinels ----------------------------------------------------------------------------
+    def arm_sentinels(self, *, fresh: bool) -> None:
+        """Set the sentinel keys (expiring 1..N intervals from now); `fresh` replaces them."""
+        count = self.rt.settings.sentinel_count
+        if count == 0:
+            return
+        interval_ms = int(self.rt.settings.sentinel_interval_s * 1000)
+        pipe = self.rt.redis.pipeline(transaction=False)
+        for i, key in self._sentinel_keys():
+            pipe.set(key, b"", px=i * interval_ms, nx=not fresh)
+        pipe.execute()
+
+    def _sentinel_keys(self) -> list[tuple[int, str]]:
+        """(index, key) of every sentinel: `sentinel_count` on each cluster primary (a data
+        loss on one node fires or removes its own), `sentinel_count` on a single server."""
+        prefix = self.rt.settings.key_prefix
+        return [
+            (i, sentinel_key(i, prefix) + tag)
+            for tag in self.rt.node_tags()
+            for i in range(1, self.rt.settings.sentinel_count + 1)
+        ]
+
+    def regenerate_sentinels_if_needed(self) -> None:
+        """Set a fresh batch once more than half of the sentinels have fired."""
+        count = self.rt.settings.sentinel_count
+        if count == 0:
+            return
+        pipe = self.rt.redis.pipeline(transaction=False)
+        keys = self._sentinel_keys()
+        for _, key in keys:
+            pipe.exists(key)
+        fired = sum(1 for present in pipe.execute() if not present)
+        if fired * 2 > len(keys):
+            logger.info("{} of {} sentinels fired: setting a fresh batch", fired, len(keys))
+            self.arm_sentinels(fresh=True)
+
+    # --- the periodic self-check --------------------------------------------------------------
+    def self_check(self, now_s: float) -> None:
+        """Periodic checks that need no event to trigger them.
+
+        - leases: runs whose listener died are found within `lease_check_s`, not at the next
+          sentinel; so are pending tasks overdue by `stuck_after_s` (their key or event lost);
+        - canary: a key this listener expires itself must come back as an event; while it does
+          not (notifications off, a demoted master, a half-open socket), due tasks are run from
+          the ledger by reconciling every canary interval, and the subscription is rebuilt;
+        - sentinels: if most vanished without firing (FLUSHALL, a Redis restart while we were
+          connected elsewhere), reconcile and set them again.
+        """
+        settings = self.rt.settings
+        began_s = monotonic_s()
+        if now_s - self._last_lease_check_s >= settings.lease_check_s or not self.events_arriving:
+            self._last_lease_check_s = now_s
+            self._reconciler.requeue_expired_leases()
+            # Overdue rows while our claimer still has events queued are most likely among them:
+            # re-arming them now would only swell the backlog. They are repaired once it drains
+            # (or by the next full pass). Only our share: a live peer's are its own to repair.
+            if self._backlog() == 0 or not self.events_arriving:
+                # Without events the ledger is the only path: run what is due now.
+                self._reconciler.repair_stuck(
+                    grace_ms=int(settings.stuck_after_s * 1000) if self.events_arriving else 0,
+                    events_arriving=self.events_arriving,
+                    mine=self._mine,
+                )
+        if not self.subscribed.is_set():
+            return
+        # The queries above take long on a loaded ledger: a canary sent at a time already past
+        # would be judged lost before its event had the window it is due.
+        now_s += monotonic_s() - began_s
+        self._check_canary(now_s)
+        if self._canary_sent_s is None and (
+            now_s - self._last_canary_s >= settings.canary_interval_s or not self.events_arriving
+        ):
+            self._send_canary(now_s)
+
+    def _check_canary(self, now_s: float) -> None:
+        if self._canary_sent_s is None:
+            return
+        events = self._events()
+        if self._canary_seen.is_set():
+            if not self.events_arriving:
+                logger.warning("expired events are arriving again")
+                if self.problem == REPLICA_PROBLEM:
+                    self.problem = None
+            self.events_arriving = True
+            self._canary_sent_s = None
+        elif (
+            now_s - self._canary_sent_s > 2.0
+            and events > self._canary_events
+            and now_s - self._canary_first_sent_s < _CANARY_PATIENCE_S
+        ):
+            # Other expired events are being read: the canary's is queued behind a burst
+            # (100k keys due at once), not lost. Give it another window, within a limit:
+            # another application's steady stream of events must not hide a lost canary.
+            self._canary_events = events
+            self._canary_sent_s = now_s
+        elif now_s - self._canary_sent_s > 2.0:
+            if self.events_arriving:
+                silent = ", ".join(sorted(self._canaries_pending.values()))
+                logger.error(
+                    "expired events are not arriving{} (notifications switched off, a replica, "
+                    "or a dead connection?): running due tasks from the ledger until they do",
+                    f" from the primary serving {silent}" if silent else "",
+                )
+            self.events_arriving = False
+            self._canary_sent_s = None
+            self.reconnect_wanted = True  # a half-open socket looks exactly like this
+
+    def _send_canary(self, now_s: float) -> None:
+        self._last_canary_s = now_s
+        self._canary_seen.clear()
+        self._canary_sent_s = now_s
+        self._canary_first_sent_s = now_s
+        self._canary_events = self._events()
+        client = self.rt.redis
+        # One canary per cluster primary (a hash tag puts each on its node): a node whose
+        # notifications are off is noticed like a single server's.
+        tags = self.rt.node_tags()
+        canaries = {(self.canary + tag).encode(): tag for tag in tags}
+        self._canaries_pending = dict(canaries) if self.rt.cluster is not None else {}
+        pipe = client.pipeline(transaction=False)
+        for key in canaries:
+            pipe.set(key, b"", px=1)
+        pipe.execute()
+        self._expire_canaries(client, list(canaries))
+        count = self.rt.settings.sentinel_count
+        if count:
+            keys = [key for _, key in self._sentinel_keys()]
+            if int(client.exists(*keys)) * 2 < len(keys):
+                logger.warning("sentinels vanished without firing: reconciling")
+                self._request_reconcile("sentinels missing")
+
+    def _expire_canaries(self, client: redis.Redis, keys: list[bytes]) -> None:
+        """Look the canaries up until Redis has expired them (and announced it) on the lookup.
+
+        A lookup within the millisecond of the SET finds a key not yet past due (PTTL 0 or 1)
+        and leaves it; Redis's own sweep samples random keys with a TTL and, among a million
+        task keys, may not reach it for many seconds: the canary's event would come too late
+        and look lost (a false "events are not arriving" alarm). Each try is ~1 ms apart.
+        """
+        left = keys
+        for _ in range(_CANARY_LOOKUPS):
+            pipe = client.pipeline(transaction=False)
+            for key in left:
+                pipe.pttl(key)
+            left = [k for k, ttl in zip(left, pipe.execute(), strict=True) if int(ttl) >= 0]
+            if not left:
+                return
+            time.sleep(0.001)
+
+    def read_only(self, exc: redis.ReadOnlyError) -> None:
+        """Redis refuses writes: a master demoted to replica (or a read-only replica from the
+        start). Replicas never announce `expired`, so switch to running due tasks from the
+        ledger, and reconnect: the connect checks the role until Redis is a master again."""
+        if self.problem != REPLICA_PROBLEM:
+            self.problem = REPLICA_PROBLEM
+            logger.error(
+                "{} ({} refused a write: {}); running due tasks from the ledger until it is a "
+                "master again",
+                REPLICA_PROBLEM,
+                mask_url(self.rt.redis_url),
+                exc,
+            )
+        else:
+            logger.debug("Redis still refuses writes: {}", exc)
+        self.events_arriving = False
+        self._canary_sent_s = None
+        if self.subscribed.is_set():
+            self.reconnect_wanted = True

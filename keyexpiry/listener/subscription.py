@@ -1,0 +1,298 @@
+"""The subscription: connect (checks, confirmed subscribe), read messages, reconnect with backoff.
+
+A gap in the connection (redis-py reconnects silently, or we rebuild it) always ends in a
+reconciliation: whatever expired meanwhile is found in the ledger.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from loguru import logger
+
+from keyexpiry.errors import RedisConfigError
+from keyexpiry.keys import evicted_channel, expired_channel, wake_channel
+from keyexpiry.listener.health import Health
+from keyexpiry.redis.sentinel import Address, follows_sentinel, prepare_replicas
+from keyexpiry.redis.server import (
+    REPLICA_PROBLEM,
+    check_notifications,
+    config_value,
+    describe_redis_error,
+    eviction_warning,
+    subscribe_confirmed,
+)
+from keyexpiry.runtime import Runtime
+from keyexpiry.threads import Backoff, ThreadErrors
+
+CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_MAX_MESSAGES_PER_STEP = 5000
+_MESSAGE_TYPES = ("message", "smessage")
+"""Published messages: `smessage` is the wake channel's on a cluster (sharded pub/sub)."""
+
+
+class Rebuild(redis.ConnectionError):
+    """Raised by `step()` to make `serve` drop the subscription and connect afresh."""
+
+
+class Handlers:
+    """Where messages go: looked up at each message, so a listener's handlers can be wrapped."""
+
+    def __init__(
+        self,
+        key: Callable[[bytes], None],
+        evicted: Callable[[bytes], None],
+        wake: Callable[[bytes], None],
+    ) -> None:
+        self.key, self.evicted, self.wake = key, evicted, wake
+
+
+class Subscription:
+    """One pub/sub connection to `expired`, `evicted` and the wake channel, kept alive."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        health: Health,
+        handlers: Handlers,
+        *,
+        stop: threading.Event,
+        request_reconcile: Callable[[str], None],
+        errors: ThreadErrors,
+    ) -> None:
+        self.rt = rt
+        self._health = health
+        self._handlers = handlers
+        self._stop = stop
+        self._request_reconcile = request_reconcile
+        self._errors = errors
+        db = rt.db
+        self.channel = expired_channel(db)
+        self.evicted_channel = evicted_channel(db)
+        self.wake_channel = wake_channel(db, rt.settings.key_prefix)
+        self._evicted_bytes = self.evicted_channel.encode()
+        self._wake_bytes = self.wake_channel.encode()
+        self._pubsub: Any = None
+        self._gap = threading.Event()
+        self._retry_now = threading.Event()
+        self._switched = False
+        self._sentinel = follows_sentinel(rt.redis)
+        self.node: Address | None = None
+        """The server this subscription is on (host, port), None while not subscribed."""
+        self.connected_once = False
+        self.gaps = 0
+
+    def serve(self) -> None:
+        """Connect and read until `stop`; never returns on an outage, only on stop (or on a
+        configuration error at the very first connect, which retrying cannot fix)."""
+        settings = self.rt.settings
+        backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
+        health = self._health
+        while not self._stop.is_set():
+            try:
+                self.connect()
+                backoff.reset()
+                while not self._stop.is_set():
+                    self.step(timeout_s=0.2)
+            except CONNECTION_ERRORS as exc:
+                health.subscribed.clear()
+                self.close()
+                if self._stop.is_set():
+                    break
+                self.gaps += 1
+                health.connection_gap()
+                wait_s = backoff.next_s()
+                if self._switched:
+                    self._switched = False
+                    backoff.reset()  # the new master is ready: no reason to wait
+                    wait_s = 0.0
+                if isinstance(exc, Rebuild):
+                    logger.info("rebuilding the subscription")
+                elif isinstance(exc, redis.AuthenticationError):
+                    # A disabled or deleted ACL user, a rotated password: an outage like any
+                    # other (it may be undone), so back off and retry, and say what it is.
+                    health.problem = describe_redis_error(exc)
+                    logger.error("{}; retrying in {:.1f} s", health.problem, wait_s)
+                elif not self.connected_once:
+                    # Never connected: nothing was lost; say what the user has to fix.
+                    logger.error(
+                        "could not connect to Redis ({}); retrying in {:.1f} s", exc, wait_s
+                    )
+                else:
+                    logger.error("Redis connection lost ({}); retrying in {:.1f} s", exc, wait_s)
+                self._wait(wait_s)
+            except RedisConfigError as exc:
+                if not self.connected_once:
+                    raise
+                # Logged once; retried quietly until fixed (e.g. a demoted master promoted back).
+                if health.problem != str(exc):
+                    health.problem = str(exc)
+                    logger.error("{}; retrying until it is fixed", exc)
+                health.events_arriving = False
+                self._pause(backoff.next_s())
+            except Exception:
+                # A bug or an unexpected reply must not end the listener: log it, start over.
+                self._errors.add("subscriber")
+                logger.exception("unexpected error in the listener loop; reconnecting")
+                self._pause(backoff.next_s())
+
+    def _pause(self, seconds: float) -> None:
+        self._health.subscribed.clear()
+        self.close()
+        self._wait(seconds)
+
+    def _wait(self, seconds: float) -> None:
+        """Wait out a backoff; `wake()` (a stop, a master switch) ends it early."""
+        self._retry_now.wait(seconds)
+        self._retry_now.clear()
+
+    def wake(self) -> None:
+        """End the current backoff wait now (`serve` then looks at `stop`)."""
+        self._retry_now.set()
+
+    def master_switched(self) -> None:
+        """Sentinel names another master: rebuild the subscription there now (a fresh client,
+        the checks, a confirmed subscribe, a reconciliation), without waiting out a backoff."""
+        self._switched = True
+        if self._health.subscribed.is_set():
+            self._health.reconnect_wanted = True
+        self._retry_now.set()
+
+    def connect(self) -> None:
+        """Check the server, subscribe (confirmed), arm sentinels, ask for a reconciliation."""
+        client, settings, health = self.rt.redis, self.rt.settings, self._health
+        warning = check_notifications(client, configure=settings.configure_redis)
+        if warning:
+            logger.warning(warning)
+        # CONFIG blocked (None): eviction cannot be ruled out.
+        health.eviction_possible = config_value(client, "maxmemory-policy") != "noeviction"
+        eviction = eviction_warning(client)
+        if eviction:
+            logger.warning(eviction)
+        if self._sentinel:
+            # Never reuse a connection made before: a PubSub re-dials the node it had.
+            self.rt.reset_subscriber()
+        self.rt.clock.sync()
+        pubsub: Any = self.rt.subscriber().pubsub()  # type: ignore[no-untyped-call]
+        self._pubsub = pubsub
+        channels = [self.channel, self.evicted_channel]
+        if settings.driver:
+            channels.append(self.wake_channel)
+        subscribe_confirmed(pubsub, channels)
+        # redis-py silently reconnects and re-subscribes a dropped pubsub connection; this
+        # callback is how we learn of that gap.
+        pubsub.connection.register_connect_callback(self._on_reconnect)
+        if self._sentinel:
+            self.node = (str(pubsub.connection.host), int(pubsub.connection.port))
+        self._retry_now.clear()
+        health.subscribed.set()
+        health.arm_sentinels(fresh=False)
+        reason = "reconnect" if self.connected_once else "start-up"
+        self.connected_once = True
+        if self.node is not None:
+            logger.info("subscribed to {} on master {}:{} ({})", self.channel, *self.node, reason)
+        else:
+            logger.info("subscribed to {} ({})", self.channel, reason)
+        # A replica is over once events flow again (the canary): ROLE may be blocked by ACL.
+        if health.problem is not None and health.problem != REPLICA_PROBLEM:
+            logger.warning("Redis serves this listener again (was: {})", health.problem)
+            health.problem = None
+        self._request_reconcile(reason)
+        if self._sentinel:
+            # After subscribing: an unreachable replica must not delay following the master.
+            self._prepare_replicas()
+
+    def _prepare_replicas(self) -> None:
+        """A failover promotes a replica: it must announce expired keys before it is one."""
+        try:
+            findings = prepare_replicas(self.rt.redis, configure=self.rt.settings.configure_redis)
+        except CONNECTION_ERRORS as exc:
+            logger.warning("cannot ask the sentinels for the replicas: {}", exc)
+            return
+        for finding in findings:
+            if finding.status != "ok":
+                logger.warning("{}: {}", finding.name, finding.detail)
+
+    def step(self, timeout_s: float) -> int:
+        """Handle the messages that arrive within `timeout_s`; return how many were read."""
+        self._check_gaps()
+        pubsub = self._pubsub
+        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
+        if msg is None:
+            return 0
+        if msg.get("type") in _MESSAGE_TYPES:
+            self._dispatch(msg["channel"], msg["data"])
+        return 1 + self._drain(pubsub)
+
+    def _check_gaps(self) -> None:
+        """Raise Rebuild when health wants the subscription rebuilt; after a silent reconnect
+        by redis-py, count the gap and ask for a reconciliation."""
+        health = self._health
+        if health.reconnect_wanted:
+            health.reconnect_wanted = False
+            raise Rebuild("rebuilding the subscription")
+        if self._gap.is_set():
+            self._gap.clear()
+            if self._sentinel:
+                # redis-py re-subscribed on whichever node the sentinels name, unchecked.
+                raise Rebuild("the subscription reconnected behind Sentinel")
+            self.gaps += 1
+            health.connection_gap()
+            logger.warning(
+                "subscription was re-established after a dropped connection; "
+                "reconciling what may have expired in the gap"
+            )
+            self._request_reconcile("reconnect")
+
+    def _drain(self, pubsub: Any) -> int:
+        """Handle the messages already waiting on the connection, read straight off it.
+
+        A listener of a fleet reads every expired event and claims only its share, so this
+        loop's cost per message is most of what a listener spends on its peers' events:
+        `get_message` wraps each read in a health check, a retry and a dict (12-15 µs a
+        message with hiredis, against 6-7 µs here, measured). Anything but a plain message
+        (a subscribe confirmation, a PONG) goes through `handle_message`, which keeps the
+        PubSub's own state. A connection error ends the step like any other: `serve`
+        reconnects and reconciles."""
+        conn = pubsub.connection
+        count = 0
+        while count < _MAX_MESSAGES_PER_STEP and conn.can_read(timeout=0):
+            # push_request: hiredis hands pub/sub messages over as push replies; without it
+            # redis-py passes them to its push handler and blocks reading the next one.
+            reply = conn.read_response(push_request=True)
+            count += 1
+            if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
+                self._dispatch(reply[1], reply[2])
+            else:
+                msg = pubsub.handle_message(reply, ignore_subscribe_messages=True)
+                if msg is not None and msg.get("type") in _MESSAGE_TYPES:
+                    self._dispatch(msg["channel"], msg["data"])
+        return count
+
+    def _dispatch(self, channel: bytes, data: bytes) -> None:
+        if channel == self._wake_bytes:
+            self._handlers.wake(data)
+        elif channel == self._evicted_bytes:
+            self._handlers.evicted(data)
+        else:
+            self._handlers.key(data)
+
+    def _on_reconnect(self, _connection: object) -> None:
+        self._gap.set()
+
+    def close(self) -> None:
+        """Drop the pub/sub connection (safe to call when there is none)."""
+        self.node = None
+        if self._pubsub is not None:
+            try:
+                # The connection goes back to the pool with its callbacks: without this, the
+                # next subscription's first connect would be taken for a dropped connection.
+                if self._pubsub.connection is not None:
+                    self._pubsub.connection.deregister_connect_callback(self._on_reconnect)
+                self._pubsub.close()
+            except Exception:
+                pass
+            self._pubsub = None

@@ -1,0 +1,1 @@
+"""What operators watch: Prometheus metrics, the `--http` endpoints, `keyexpiry doctor`'s checks."""

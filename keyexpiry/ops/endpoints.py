@@ -1,0 +1,414 @@
+"""The listener's HTTP endpoints (`listen --http HOST:PORT`): Prometheus `/metrics`, `/healthz`
+(the process answers) and `/readyz` (it can do its job now: subscribed, events arriving, the
+ledger reachable). A thread of its own, so a scrape never waits on the listener's hot path."""
+
+from __future__ import annotations
+
+import errno
+import io
+import resource
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from loguru import logger
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from keyexpiry.clock import monotonic_s
+from keyexpiry.errors import ConfigError
+from keyexpiry.ops.metrics import LedgerCollector, ListenerCollector
+from keyexpiry.ops.observed import ObservedListener
+from keyexpiry.settings import parse_bind as _parse_bind
+
+_LEDGER_PROBE_EVERY_S = 1.0
+"""A readiness check reuses a ledger answer at most this old (probes may come many a second)."""
+
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client of the port can cost: the port is unauthenticated, so anyone who reaches
+    it may open connections and never finish them (slowloris)."""
+
+    max_connections: int = 32
+    """Connections served at once (a scraper and a few probes need a handful). Lowered to a
+    sixteenth of RLIMIT_NOFILE when that is smaller: the listener's own Redis and ledger
+    connections must always find a descriptor."""
+    head_timeout_s: float = 5.0
+    """The whole request head (request line and headers) must arrive within this."""
+    io_timeout_s: float = 5.0
+    """Each read or write of a connection, once its head is in."""
+    connection_deadline_s: float = 30.0
+    """No connection lives longer (a client that reads its response a byte at a time)."""
+    max_head_bytes: int = 8192
+    """A longer request head is refused with 431 (http.client alone would take 6 MiB)."""
+
+    def connection_cap(self) -> int:
+        """`max_connections`, or fewer when the process may open few descriptors."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return self.max_connections
+        return max(2, min(self.max_connections, soft // 16))
+
+
+_ACCEPT_PAUSE_S = 0.5
+"""After accept() fails for want of a descriptor: without a pause the listening socket stays
+readable and the accept loop spins at 100 % CPU."""
+
+
+def parse_bind(value: str) -> tuple[str, int]:
+    """`--http`'s `HOST:PORT`, `[::1]:PORT` or `:PORT` (all interfaces) as (host, port)."""
+    return _parse_bind(value, "--http")
+
+
+class Readiness:
+    """Whether the listener can run due tasks now, and if not, why (one line per reason)."""
+
+    def __init__(self, listener: ObservedListener) -> None:
+        self._listener = listener
+        self._lock = threading.Lock()
+        self._ledger_checked_s = -1e9
+        self._ledger_problem: str | None = None
+
+    def reasons(self) -> list[str]:
+        """Empty when ready."""
+        lst = self._listener
+        out: list[str] = []
+        if not lst.subscribed.is_set():
+            out.append("not subscribed to expired events (Redis unreachable or reconnecting)")
+        elif not lst.events_arriving:
+            out.append("expired events are not arriving (the canary did not come back)")
+        if lst.problem:
+            out.append(f"redis: {lst.problem}")
+        ledger = self._ledger()
+        if ledger:
+            out.append(f"ledger: {ledger}")
+        elif lst.fleet.failing:
+            out.append("heartbeat: not written (peers will take this listener's runs over)")
+        out.extend(lst.failing())  # loops that keep failing (`Listener.failing`)
+        return out
+
+    def ready(self) -> bool:
+        """True when `reasons()` is empty."""
+        return not self.reasons()
+
+    def _ledger(self) -> str | None:
+        with self._lock:
+            if monotonic_s() - self._ledger_checked_s >= _LEDGER_PROBE_EVERY_S:
+                try:
+                    self._listener.store.ping()
+                    self._ledger_problem = None
+                except Exception as exc:
+                    self._ledger_problem = str(exc).splitlines()[0][:300]
+                self._ledger_checked_s = monotonic_s()
+            return self._ledger_problem
+
+
+class Endpoints:
+    """Serves /metrics, /healthz and /readyz for one listener until `stop()`."""
+
+    def __init__(
+        self, listener: ObservedListener, bind: str, limits: HttpLimits | None = None
+    ) -> None:
+        self.host, self.port = parse_bind(bind)
+        self.limits = limits or HttpLimits()
+        self.readiness = Readiness(listener)
+        self.registry = CollectorRegistry()
+        self.registry.register(ListenerCollector(listener, self.readiness.ready))
+        self.registry.register(
+            LedgerCollector(
+                listener.store,
+                listener.clock.now_ms,
+                live_window_s=listener.settings.takeover_after_s,
+            )
+        )
+        # The run metrics live on the runtime (the workers observe them there).
+        run_metrics = listener.rt.metrics
+        run_metrics.declare(spec.label for spec in listener.registry.specs())
+        run_metrics.enabled = True
+        self.registry.register(run_metrics)
+        self._metrics_app = make_wsgi_app(self.registry)
+        self._server: _BoundedServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Bind and serve in a daemon thread (raises ConfigError if the address is taken)."""
+        try:
+            server = make_server(
+                self.host,
+                self.port,
+                _head_as_get(self._app),
+                _BoundedServer,
+                handler_class=_BoundedHandler,
+            )
+        except OSError as exc:
+            raise ConfigError(f"--http {self.host}:{self.port}: cannot listen: {exc}") from None
+        server.configure(self.limits)
+        self._server = server
+        self.port = server.server_port  # port 0 picks a free one (tests)
+        self._thread = threading.Thread(
+            target=server.serve_forever, name="http", kwargs={"poll_interval": 0.2}, daemon=True
+        )
+        self._thread.start()
+        logger.info(
+            "serving /metrics, /healthz and /readyz on http://{}:{} (at most {} connections)",
+            self.host,
+            self.port,
+            server.slots.cap,
+        )
+
+    def stop(self) -> None:
+        """Stop serving (idempotent); connections still open are closed."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server.slots.close_all()
+            self._server = None
+
+    def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") != "GET":  # HEAD arrives here as GET
+            return _text(
+                start_response,
+                "405 Method Not Allowed",
+                "only GET and HEAD\n",
+                [("Allow", "GET, HEAD")],
+            )
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            return _text(start_response, "200 OK", "ok\n")
+        if path == "/readyz":
+            reasons = self.readiness.reasons()
+            if not reasons:
+                return _text(start_response, "200 OK", "ready\n")
+            body = "not ready:\n" + "".join(f"- {r}\n" for r in reasons)
+            return _text(start_response, "503 Service Unavailable", body)
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)  # type: ignore[no-any-return]
+        return _text(start_response, "404 Not Found", "try /metrics, /healthz or /readyz\n")
+
+
+def _text(
+    start_response: StartResponse,
+    status: str,
+    body: str,
+    extra: list[tuple[str, str]] | None = None,
+) -> list[bytes]:
+    data = body.encode()
+    start_response(
+        status,
+        [
+            ("Content-Type", "text/plain; charset=utf-8"),
+            ("Content-Length", str(len(data))),
+            ("Cache-Control", "no-store"),
+            *(extra or []),
+        ],
+    )
+    return [data]
+
+
+def _head_as_get(app: WsgiApp) -> WsgiApp:
+    """HEAD answered as GET without the body (monitors and load balancers probe with HEAD;
+    prometheus_client's app answers it 405)."""
+
+    def wrapped(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") != "HEAD":
+            return app(environ, start_response)
+        answered: list[tuple[str, list[tuple[str, str]]]] = []
+
+        def capture(status: str, headers: list[tuple[str, str]], *_: Any) -> Any:
+            answered.append((status, headers))
+
+        body = b"".join(app({**environ, "REQUEST_METHOD": "GET"}, capture))
+        status, headers = answered[-1]
+        # The length GET would send (wsgiref would say 0 for an empty body).
+        kept = [(k, v) for k, v in headers if k.lower() != "content-length"]
+        start_response(status, [*kept, ("Content-Length", str(len(body)))])
+        return []
+
+    return wrapped
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    opened_s: float
+    reading_head: bool = True
+    evicted: bool = False
+
+
+class _Slots:
+    """The connections being served, at most `cap` at once (twice that counting the evicted,
+    whose threads are ending): a bound on the port's descriptors and threads."""
+
+    def __init__(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self.cap = limits.connection_cap()
+        self._lock = threading.Lock()
+        self._open: dict[int, _Connection] = {}
+
+    def admit(self, sock: socket.socket) -> bool:
+        """Take a slot for a new connection. When all are taken, the oldest connection still
+        sending its head is closed to make room (half-finished requests cannot starve a
+        prompt one); when every slot is busy answering, the newcomer is refused."""
+        now = monotonic_s()
+        with self._lock:
+            self._reap_locked(now)
+            live = [c for c in self._open.values() if not c.evicted]
+            if len(live) >= self.cap:
+                idle = [c for c in live if c.reading_head]
+                if not idle:
+                    return False
+                self._evict(min(idle, key=lambda c: c.opened_s))
+            if len(self._open) >= 2 * self.cap:
+                return False
+            self._open[id(sock)] = _Connection(sock, now)
+            return True
+
+    def head_read(self, sock: socket.socket) -> None:
+        """The connection's request head is in: from now it is served, not evicted."""
+        with self._lock:
+            conn = self._open.get(id(sock))
+            if conn is not None:
+                conn.reading_head = False
+
+    def release(self, sock: socket.socket) -> None:
+        """The connection's thread is done with it."""
+        with self._lock:
+            self._open.pop(id(sock), None)
+
+    def reap(self) -> None:
+        """Close connections past their head timeout or their deadline."""
+        with self._lock:
+            self._reap_locked(monotonic_s())
+
+    def close_all(self) -> None:
+        with self._lock:
+            for conn in self._open.values():
+                self._evict(conn)
+
+    def _reap_locked(self, now: float) -> None:
+        for conn in self._open.values():
+            age = now - conn.opened_s
+            late_head = conn.reading_head and age > self.limits.head_timeout_s
+            if not conn.evicted and (late_head or age > self.limits.connection_deadline_s):
+                self._evict(conn)
+
+    @staticmethod
+    def _evict(conn: _Connection) -> None:
+        # shutdown, never close: the blocked read in the connection's thread returns at once,
+        # and the descriptor is closed by that thread, so it cannot be reused under it.
+        conn.evicted = True
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed by its thread
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """prometheus_client's thread-per-connection server with the connections bounded
+    (`_Slots`), heads timed out and accept() paused when descriptors run out."""
+
+    request_queue_size = 64  # the kernel's backlog: costs the process no descriptor
+    slots: _Slots
+
+    def configure(self, limits: HttpLimits) -> None:
+        self.slots = _Slots(limits)
+        self._accept_warned_s = -1e9
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                if monotonic_s() - self._accept_warned_s > 60:
+                    self._accept_warned_s = monotonic_s()
+                    logger.warning("--http: cannot accept connections: {}; pausing", exc)
+                time.sleep(_ACCEPT_PAUSE_S)
+            raise
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return isinstance(request, socket.socket) and self.slots.admit(request)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release(request)  # no thread started: nothing else will
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release(request)
+
+    def service_actions(self) -> None:
+        # Called by serve_forever at least every poll_interval (0.2 s).
+        self.slots.reap()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Timeouts and resets from clients that went away: not the listener's problem, and a
+        # traceback on stderr per hostile connection would be a log flood.
+        logger.debug("--http: connection from {} ended early", client_address)
+
+
+class _BoundedHandler(WSGIRequestHandler):
+    """One request per connection, its head capped in size and time; no access log (Prometheus
+    scrapes every few seconds)."""
+
+    server: _BoundedServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.slots.limits.io_timeout_s)
+        self.rfile = _CappedReader(self.rfile, self.server.slots.limits.max_head_bytes)
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self.server.slots.head_read(self.connection)
+        if parsed and isinstance(self.rfile, _CappedReader) and self.rfile.exhausted:
+            self.send_error(431, "Request Header Fields Too Large")
+            return False
+        return parsed
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _CappedReader(io.BufferedIOBase):
+    """A connection's input that ends after `limit` bytes (a GET here has no body)."""
+
+    def __init__(self, inner: io.BufferedIOBase, limit: int) -> None:
+        super().__init__()
+        self._inner = inner
+        self._left = limit
+
+    @property
+    def exhausted(self) -> bool:
+        return self._left <= 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        return self._take(lambda n: self._inner.read(n), size)
+
+    def readline(self, size: int | None = -1, /) -> bytes:
+        return self._take(lambda n: self._inner.readline(n), size)
+
+    def close(self) -> None:
+        self._inner.close()
+        super().close()
+
+    def _take(self, read: Callable[[int], bytes], size: int | None) -> bytes:
+        room = self._left if size is None or size < 0 else min(size, self._left)
+        data = read(room) if room > 0 else b""
+        self._left -= len(data)
+        return data

@@ -1,0 +1,286 @@
+"""Prometheus metrics: what the listener's own threads observe (runs, lateness, handler time),
+what its parts already count (read at scrape time), and what the ledger holds (read with cheap
+indexed queries, cached, on the scraping thread, never on the listener's hot path)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from keyexpiry.clock import monotonic_s
+from keyexpiry.ops.observed import ObservedListener
+
+if TYPE_CHECKING:
+    from keyexpiry.ledger.store import Store
+
+PENDING_WINDOWS_S = (("overdue", 0), ("1m", 60), ("1h", 3600), ("1d", 86400))
+"""Pending tasks by when they fall due: already due, within a minute, an hour, a day, later."""
+
+NAMES = (
+    "keyexpiry_runs_total",
+    "keyexpiry_lateness_seconds",
+    "keyexpiry_handler_seconds",
+    "keyexpiry_claims_total",
+    "keyexpiry_events_total",
+    "keyexpiry_events_ignored_total",
+    "keyexpiry_reconcile_rearmed_total",
+    "keyexpiry_reconcile_requeued_total",
+    "keyexpiry_overdue_repeats_total",
+    "keyexpiry_reconciliations_total",
+    "keyexpiry_reconnects_total",
+    "keyexpiry_thread_errors_total",
+    "keyexpiry_inflight",
+    "keyexpiry_subscribed",
+    "keyexpiry_events_arriving",
+    "keyexpiry_ready",
+    "keyexpiry_listener_info",
+    "keyexpiry_listener_start_time_seconds",
+    "keyexpiry_tasks",
+    "keyexpiry_pending",
+    "keyexpiry_overdue",
+    "keyexpiry_listeners",
+    "keyexpiry_share_buckets",
+    "keyexpiry_share_peers",
+    "keyexpiry_share_caught_up_total",
+    "keyexpiry_ledger_up",
+    "keyexpiry_ledger_query_seconds",
+)
+"""Every metric name `/metrics` serves (deploy/'s alert rules and dashboard use only these)."""
+
+
+@dataclass
+class LedgerFigures:
+    """What the ledger holds now (one scrape's worth)."""
+
+    by_status: dict[str, int]
+    pending_by_window: dict[str, int]
+    overdue: int
+    live_listeners: int
+    query_s: float
+
+
+class LedgerCollector(Collector):
+    """Task counts from the ledger's (status, due_at_ms, …) index, at most every `min_interval_s`.
+
+    Only pending, running and dead are counted: done and cancelled rows are the bulk of a large
+    ledger and counting them would walk millions of index entries per scrape.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        now_ms: Callable[[], int],
+        *,
+        live_window_s: float = 5.0,
+        min_interval_s: float = 5.0,
+    ) -> None:
+        self._store = store
+        self._live_window_ms = int(live_window_s * 1000)
+        self._now_ms = now_ms
+        self._min_interval_s = min_interval_s
+        self._lock = threading.Lock()
+        self._cached: LedgerFigures | None = None
+        self._cached_at_s = -1e9
+        self.up = True
+
+    def figures(self) -> LedgerFigures | None:
+        """The latest figures, refreshed when older than `min_interval_s`; None if unreadable."""
+        with self._lock:
+            if monotonic_s() - self._cached_at_s >= self._min_interval_s:
+                self._cached_at_s = monotonic_s()
+                started = time.perf_counter()
+                try:
+                    now_ms = self._now_ms()
+                    by_status = self._store.active_counts()
+                    edges = [now_ms + s * 1000 for _, s in PENDING_WINDOWS_S]
+                    cumulative = self._store.pending_due_before([now_ms - 1000, *edges])
+                    live = self._store.count_live(now_ms - self._live_window_ms)
+                except Exception:
+                    self.up = False
+                    self._cached = None
+                    return None
+                self.up = True
+                overdue, below = cumulative[0], cumulative[1:]
+                windows: dict[str, int] = {}
+                prev = 0
+                for (name, _), n in zip(PENDING_WINDOWS_S, below, strict=True):
+                    windows[name] = n - prev
+                    prev = n
+                windows["later"] = by_status.get("pending", 0) - prev
+                self._cached = LedgerFigures(
+                    by_status, windows, overdue, live, time.perf_counter() - started
+                )
+            return self._cached
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self.figures()
+        yield _gauge(
+            "keyexpiry_ledger_up",
+            "1 when the ledger answered the last read.",
+            figures is not None,
+        )
+        if figures is None:
+            return
+        tasks = GaugeMetricFamily(
+            "keyexpiry_tasks", "Ledger rows by status (pending, running, dead).", labels=["status"]
+        )
+        for status in ("pending", "running", "dead"):
+            tasks.add_metric([status], figures.by_status.get(status, 0))
+        yield tasks
+        pending = GaugeMetricFamily(
+            "keyexpiry_pending",
+            "Pending tasks by when they fall due (overdue, 1m, 1h, 1d, later).",
+            labels=["window"],
+        )
+        for window, n in figures.pending_by_window.items():
+            pending.add_metric([window], n)
+        yield pending
+        yield _gauge(
+            "keyexpiry_overdue",
+            "Pending tasks more than a second past their due time.",
+            figures.overdue,
+        )
+        yield _gauge(
+            "keyexpiry_listeners",
+            "Listeners whose heartbeat is fresh (the whole fleet).",
+            figures.live_listeners,
+        )
+        yield _gauge(
+            "keyexpiry_ledger_query_seconds",
+            "Time the last ledger read for these figures took.",
+            figures.query_s,
+        )
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+class ListenerCollector(Collector):
+    """What the listener's parts count already, read when Prometheus scrapes."""
+
+    def __init__(self, listener: ObservedListener, ready: Callable[[], bool]) -> None:
+        self._listener = listener
+        self._ready = ready
+        self._started_s = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        lst = self._listener
+        stats = lst.dispatcher.stats
+
+        claims = CounterMetricFamily(
+            "keyexpiry_claims",
+            "Claim attempts: won (this listener runs it), lost (another listener had it, or "
+            "it was no longer pending).",
+            labels=["result"],
+        )
+        claims.add_metric(["won"], stats.claimed)
+        claims.add_metric(["lost"], stats.not_claimed + stats.claims_lost)
+        yield claims
+        events = CounterMetricFamily(
+            "keyexpiry_events", "Keyspace events heard, by kind.", labels=["kind"]
+        )
+        events.add_metric(["expired"], lst.events)
+        events.add_metric(["evicted"], lst.evicted)
+        events.add_metric(["canary"], lst.canaries_seen)
+        events.add_metric(["sentinel"], lst.router.sentinels)
+        yield events
+        ignored = CounterMetricFamily(
+            "keyexpiry_events_ignored",
+            "Events not acted on: foreign (another application's key), refused (looked like a "
+            "task but is not a runnable one), other_listener (a task key in a live peer's "
+            "share).",
+            labels=["reason"],
+        )
+        ignored.add_metric(["foreign"], lst.foreign)
+        ignored.add_metric(["refused"], lst.ignored)
+        ignored.add_metric(["other_listener"], lst.router.others_share)
+        yield ignored
+        share = lst.fleet.partition
+        yield _gauge(
+            "keyexpiry_share_buckets",
+            "Key buckets this listener claims, summed over its task classes (1024 per class "
+            "when it shares with no one).",
+            share.owned_buckets(),
+        )
+        yield _gauge(
+            "keyexpiry_share_peers",
+            "Other live listeners sharing task classes with this one.",
+            share.peers,
+        )
+        yield _counter(
+            "keyexpiry_share_caught_up",
+            "Overdue tasks claimed from the ledger after taking over buckets nobody owned.",
+            lst.fleet.caught_up,
+        )
+        rec = lst.reconciler
+        yield _counter(
+            "keyexpiry_reconcile_rearmed",
+            "Task keys re-armed in Redis from the ledger.",
+            rec.rearmed_total,
+        )
+        yield _counter(
+            "keyexpiry_reconcile_requeued",
+            "Tasks requeued from the ledger: overdue ones run directly, expired leases.",
+            rec.requeued_total,
+        )
+        yield _counter(
+            "keyexpiry_overdue_repeats",
+            "Overdue tasks repaired again at a due time already reported (logged once each): "
+            "rows no listener runs, such as an unregistered class or a method not exposed.",
+            rec.overdue_repeats_total,
+        )
+        yield _counter(
+            "keyexpiry_reconciliations", "Full reconciliation passes.", lst.reconciles_done
+        )
+        yield _counter(
+            "keyexpiry_reconnects", "Subscriptions dropped or rebuilt since start.", lst.gaps
+        )
+        yield _counter(
+            "keyexpiry_thread_errors",
+            "Unexpected exceptions the listener's threads survived.",
+            lst.thread_errors.count,
+        )
+        yield _gauge(
+            "keyexpiry_inflight",
+            "Claimed runs not yet finished (queued or running).",
+            lst.dispatcher.inflight.count,
+        )
+        yield _gauge(
+            "keyexpiry_subscribed", "1 while subscribed to expired events.", lst.subscribed.is_set()
+        )
+        yield _gauge(
+            "keyexpiry_events_arriving",
+            "0 while the canary's expired event does not come back.",
+            lst.events_arriving,
+        )
+        yield _gauge("keyexpiry_ready", "1 when /readyz answers 200.", self._ready())
+        info = GaugeMetricFamily(
+            "keyexpiry_listener_info", "This listener's identity.", labels=["listener", "host"]
+        )
+        info.add_metric([lst.owner, socket.gethostname()], 1)
+        yield info
+        yield _gauge(
+            "keyexpiry_listener_start_time_seconds",
+            "When this listener started (Unix time).",
+            self._started_s,
+        )

@@ -1,0 +1,2 @@
+"""Claim, run, record: the claimer, the runs in flight, the workers and the event loop of async
+handlers, transactional handlers, the recorder."""

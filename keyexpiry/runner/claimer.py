@@ -1,0 +1,297 @@
+"""Claiming: keys heard expiring are queued once each, then claimed in batches (one ledger
+transaction per batch) and handed to the workers as claimed runs."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+from collections.abc import Iterable
+
+import redis
+from loguru import logger
+
+from keyexpiry import retries
+from keyexpiry.errors import KeyExpiryError, StoreError, UnknownTaskError
+from keyexpiry.keys import excerpt, parse_key
+from keyexpiry.ledger.rows import TaskRow, TaskStatus
+from keyexpiry.log import SaidOnce
+from keyexpiry.registry import TaskSpec
+from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
+from keyexpiry.runtime import Runtime
+from keyexpiry.threads import Backoff, ThreadErrors
+
+_WARNED_UNKNOWN_MAX = 1000
+"""Unknown classes and methods explained once each; past this many, only at debug level."""
+
+
+class Intake:
+    """Keys waiting for their claim, each queued once however often it is seen (its event and
+    a reconciliation after a reconnect); `submit` never blocks."""
+
+    def __init__(self, stats: DispatchStats, max_backlog: int) -> None:
+        self._stats = stats
+        self._max_backlog = max_backlog
+        self._incoming: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._backlog: collections.deque[str] = collections.deque()
+        self._queued: set[str] = set()  # keys in _incoming or _backlog
+        self._lock = threading.Lock()
+
+    def submit(self, keys: Iterable[str]) -> None:
+        """Queue keys not already waiting."""
+        keys = list(keys)  # may be lazy: never read it under the lock
+        with self._lock:
+            for key in keys:
+                self._stats.submitted += 1
+                if key in self._queued:
+                    self._stats.already_queued += 1
+                    continue
+                self._queued.add(key)
+                self._incoming.put(key)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a key; True when one waits."""
+        if self._backlog:
+            return True
+        try:
+            self._backlog.append(self._incoming.get(timeout=timeout_s))
+        except queue.Empty:
+            return False
+        return True
+
+    def take(self, room: int) -> list[str]:
+        """Up to `room` keys, off the queue: a sighting during their claim (the task moved and
+        fell due again) queues a key anew."""
+        while len(self._backlog) < self._max_backlog:
+            try:
+                self._backlog.append(self._incoming.get_nowait())
+            except queue.Empty:
+                break
+        batch: list[str] = []
+        with self._lock:
+            while self._backlog and len(batch) < room:
+                batch.append(key := self._backlog.popleft())
+                self._queued.discard(key)
+        return batch
+
+    def requeue(self, keys: list[str]) -> None:
+        """Put keys whose claim failed back at the head of the queue (unless queued again)."""
+        with self._lock:
+            again = [k for k in keys if k not in self._queued]
+            self._queued.update(again)
+            self._backlog.extendleft(reversed(again))
+
+    def __len__(self) -> int:
+        return self._incoming.qsize() + len(self._backlog)
+
+
+class Claimer:
+    """The claim loop: waits for room among the workers, claims a batch, queues the runs."""
+
+    def __init__(
+        self, rt: Runtime, inflight: InFlight, stats: DispatchStats, errors: ThreadErrors
+    ) -> None:
+        self.rt = rt
+        self.intake = Intake(stats, rt.settings.claim_batch * 4)
+        self._inflight = inflight
+        self._stats = stats
+        self._errors = errors
+        self._seq = itertools.count(1)
+        self._warned_unknown: set[str] = set()
+        self._refused_said = SaidOnce(limit=1_000)
+        self.claiming = False
+        self.stop = threading.Event()
+
+    def loop(self) -> None:
+        """Claim until `stop` is set; whatever fails, the keys stay queued and the loop lives."""
+        backoff = Backoff(self.rt.settings.reconnect_initial_s, self.rt.settings.reconnect_max_s)
+        inflight = self._inflight
+        while not self.stop.is_set():
+            if not self.intake.wait(0.1):
+                continue
+            with inflight.cond:
+                self.claiming = True
+                while inflight.count >= inflight.claim_limit() and not self.stop.is_set():
+                    inflight.cond.wait(0.1)
+                room = min(inflight.claim_limit() - inflight.count, self.rt.settings.claim_batch)
+            if self.stop.is_set():
+                self.claiming = False
+                break
+            batch = self.intake.take(room)
+            try:
+                self._claim_batch(batch)
+                backoff.reset()
+            except Exception as exc:
+                # A dead claimer would leave the keys marked queued, and every later sighting
+                # of them ignored.
+                self._stats.store_errors += 1
+                self.intake.requeue(batch)
+                wait_s = backoff.next_s()
+                if isinstance(exc, StoreError | redis.RedisError):
+                    logger.error(
+                        "claiming {} task(s) failed: {}; retrying in {:.1f} s",
+                        len(batch),
+                        exc,
+                        wait_s,
+                    )
+                else:
+                    self._errors.add("claimer")
+                    logger.exception(
+                        "claiming {} task(s) failed; retrying in {:.1f} s", len(batch), wait_s
+                    )
+                self.stop.wait(wait_s)
+            finally:
+                self.claiming = False
+
+    def _claim_batch(self, keys: list[str]) -> None:
+        specs: dict[str, TaskSpec] = {}
+        for key in keys:
+            spec = self._spec_for_key(key)
+            if spec is not None:
+                specs[key] = spec
+        if not specs:
+            return
+        settings = self.rt.settings
+        now_ms = self.rt.clock.now_ms()
+        timeout_s = max(retries.timeout_s(s.options, settings) for s in specs.values())
+        lease_until_ms = now_ms + int((timeout_s + settings.lease_grace_s) * 1000)
+        token = f"{self.rt.owner}:{next(self._seq)}"
+        locked: set[str] = set()
+        try:
+            rows = self.rt.store.claim(
+                list(specs), now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
+            )
+        except StoreError as exc:
+            if not exc.lock_timeout:
+                raise
+            rows, locked = self._claim_around_locks(list(specs), exc, now_ms, lease_until_ms, token)
+        self._stats.claimed += len(rows)
+        self._inflight.add_claimed(
+            [
+                ClaimedRun(
+                    row,
+                    token,
+                    specs[row.key],
+                    retries.timeout_s(specs[row.key].options, settings),
+                    lease_until_ms,
+                )
+                for row in rows
+            ]
+        )
+        claimed = {r.key for r in rows}
+        # A locked row is left to the overdue check: re-armed now, it would come straight back
+        # and wait on the lock again.
+        unclaimed = [k for k in specs if k not in claimed and k not in locked]
+        if unclaimed:
+            self._stats.not_claimed += len(unclaimed)
+            self._check_unclaimed(unclaimed)
+
+    def _claim_around_locks(
+        self, keys: list[str], exc: StoreError, now_ms: int, lease_until_ms: int, token: str
+    ) -> tuple[list[TaskRow], set[str]]:
+        """Another transaction held one of these rows past the lock wait timeout: claim the keys
+        one by one so only the locked rows are left behind, pending. Retrying those at once would
+        keep the claimer waiting on the lock; the overdue check offers them again later.
+        Returns the rows claimed and the keys found locked.
+        """
+        self._stats.store_errors += 1
+        if len(keys) == 1:
+            _log_locked(keys[0], exc)
+            return [], set(keys)
+        logger.warning(
+            "claiming {} task(s) waited too long on a row lock ({}); claiming them one by one",
+            len(keys),
+            exc,
+        )
+        # Each claim reads back its key's row if the token holds it, also when an earlier
+        # statement of the failed claim (autocommitted) took it.
+        rows: dict[int, TaskRow] = {}
+        locked: set[str] = set()
+        for i, key in enumerate(keys):
+            try:
+                claimed = self.rt.store.claim(
+                    [key], now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
+                )
+                rows.update((r.id, r) for r in claimed)
+            except StoreError as err:
+                if not err.lock_timeout:
+                    # The rows claimed so far must still run; the rest waits in the backlog.
+                    logger.error("claiming {} task(s) failed: {}", len(keys) - i, err)
+                    self.intake.requeue(keys[i:])
+                    break
+                _log_locked(key, err)
+                locked.add(key)
+        return list(rows.values()), locked
+
+    def _spec_for_key(self, key: str) -> TaskSpec | None:
+        try:
+            parsed = parse_key(key, prefix=self.rt.settings.key_prefix)
+            return self.rt.registry.resolve(parsed.class_name, parsed.method)
+        except UnknownTaskError as exc:
+            self._stats.ignored += 1
+            self._note_unknown(key, exc)
+            return None
+        except KeyExpiryError as exc:
+            self._stats.ignored += 1
+            # Its row is re-armed by every overdue check and comes back: said once per key.
+            log = logger.bind(key=excerpt(key), attempt=0)
+            if self._refused_said.first(key):
+                log.warning("ignored key: {}", exc)
+            else:
+                log.debug("ignored key again: {}", exc)
+            return None
+
+    def _note_unknown(self, key: str, exc: UnknownTaskError) -> None:
+        """Say once per unknown class (or method), not once per key of another app's
+        `user@bob`, what becomes of such a key: a real task waits for a listener that has its
+        class; a key with no ledger row was never a task."""
+        if str(exc) in self._warned_unknown:
+            return
+        if len(self._warned_unknown) >= _WARNED_UNKNOWN_MAX:
+            # Forged keys may name endless made-up classes: what is said once is kept bounded.
+            logger.bind(key=excerpt(key), attempt=0).debug("{}: ignored", exc)
+            return
+        self._warned_unknown.add(str(exc))
+        log = logger.bind(key=key, attempt=0)
+        try:
+            row = self.rt.store.get(key)
+        except StoreError:
+            row = None
+        if row is None:
+            log.info("{}; no ledger row either: ignored", exc)
+        elif row.status is TaskStatus.PENDING:
+            log.warning("{}; left pending for a listener that has it", exc)
+        else:
+            log.info("{}; the task is {}: nothing to do", exc, row.status)
+
+    def _check_unclaimed(self, keys: list[str]) -> None:
+        """Explain keys that were not claimed, and re-arm a pending task whose key is gone."""
+        rows = self.rt.store.get_many(keys)
+        rearm: list[TaskRow] = []
+        for key in keys:
+            row = rows.get(key)
+            log = logger.bind(key=key, attempt=row.attempts if row else 0)
+            if row is None:
+                log.info("no ledger row for this key; ignored")
+            elif row.status is TaskStatus.PENDING:
+                # A stale event (task rescheduled), this host's clock a hair behind Redis's, or
+                # a row that fell due since the claim: if its key is gone, nothing else would
+                # announce it (a due time already past expires at once).
+                rearm.append(row)
+            else:
+                log.debug("not claimed: task is {}", row.status)
+        if rearm:
+            existing = self.rt.redis.pipeline(transaction=False)
+            for row in rearm:
+                existing.exists(row.key)
+            present = existing.execute()
+            missing = [r for r, p in zip(rearm, present, strict=True) if not p]
+            self.rt.arm([(r.key, r.due_at_ms) for r in missing])
+
+
+def _log_locked(key: str, exc: StoreError) -> None:
+    logger.bind(key=key, attempt=0).warning(
+        "row locked by another transaction ({}); left pending, the overdue check tries it again",
+        exc,
+    )

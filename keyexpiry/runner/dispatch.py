@@ -1,0 +1,146 @@
+"""Claim, run, record: everything between "this key expired" and a recorded outcome.
+
+The dispatcher only composes and orchestrates; the work is in its parts, each on threads of its
+own so the subscription never waits on the database or a handler:
+- `claimer`: keys queued once each, claimed in batches (one transaction per batch);
+- `executor`: a bounded pool of workers runs handlers; a watchdog fails runs past their timeout;
+- `coroutines`: `async def` handlers, awaited on an event loop of their own;
+- `recorder`: outcomes written in batches, retries re-armed;
+- `inflight`: the claimed runs and queued outcomes they share, under one condition.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import redis
+from loguru import logger
+
+from keyexpiry import threads
+from keyexpiry.clock import monotonic_s
+from keyexpiry.errors import StoreError
+from keyexpiry.runner.claimer import Claimer
+from keyexpiry.runner.executor import Executor, Watchdog
+from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
+from keyexpiry.runner.recorder import Recorder
+from keyexpiry.runtime import Runtime
+
+__all__ = ["DispatchStats", "Dispatcher"]
+
+
+class Dispatcher:
+    """Runs submitted task keys once per claim on a bounded worker pool."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.settings = rt.settings
+        self.stats = DispatchStats()
+        self.thread_errors = threads.ThreadErrors()
+        """Unexpected exceptions the dispatcher's threads survived."""
+        self._stopped = threading.Event()
+        self.inflight = InFlight(
+            rt.settings.concurrency, rt.settings.claim_batch, rt.settings.async_concurrency
+        )
+        self.claimer = Claimer(rt, self.inflight, self.stats, self.thread_errors)
+        self.executor = Executor(rt, self.inflight, self.stats, self.thread_errors, self._stopped)
+        self.watchdog = Watchdog(rt, self.executor, self.stats)
+        self.recorder = Recorder(rt, self.inflight, self.stats, self.thread_errors)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the claimer, the recorder, the watchdog and the worker pool."""
+        self._spawn("claimer", self.claimer.loop)
+        self._spawn("recorder", lambda: self.recorder.loop(self._stopped))
+        self._spawn("watchdog", self.watchdog.loop)
+        for _ in range(self.settings.concurrency):
+            self.executor.spawn_worker()
+
+    def submit(self, keys: Iterable[str]) -> None:
+        """Queue task keys whose expiry (or overdue state) was seen; never blocks."""
+        self.claimer.intake.submit(keys)
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop claiming, let running handlers finish for up to `timeout_s`, release the rest."""
+        self.claimer.stop.set()
+        deadline = monotonic_s() + timeout_s
+        while self.claimer.claiming and monotonic_s() < deadline:
+            time.sleep(0.01)
+        inflight = self.inflight
+        unstarted: list[ClaimedRun] = []
+        while True:
+            try:
+                item = inflight.runq.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                unstarted.append(item)
+        unstarted += self.executor.coroutines.withdraw()  # waiting for a coroutine slot
+        self._release(unstarted)
+        for _ in range(self.settings.concurrency):
+            inflight.runq.put(None)
+        with inflight.cond:
+            while inflight.running and monotonic_s() < deadline:
+                inflight.cond.wait(0.05)
+            if inflight.running:
+                logger.warning(
+                    "{} handler(s) still running at shutdown; their leases will expire and "
+                    "reconciliation will run them again",
+                    len(inflight.running),
+                )
+        flush_deadline = max(deadline, monotonic_s() + 5.0)
+        self.recorder.flush(deadline=flush_deadline)
+        with inflight.cond:
+            # The recorder may have taken the last batch just before us: wait for its write.
+            while inflight.recording and monotonic_s() < flush_deadline:
+                inflight.cond.wait(0.05)
+        self._stopped.set()
+        self.executor.coroutines.close()
+        with inflight.cond:
+            inflight.cond.notify_all()
+
+    def backlog(self) -> int:
+        """Keys submitted and not yet claimed (or found not claimable)."""
+        return len(self.claimer.intake)
+
+    def idle(self) -> bool:
+        """Nothing queued, claimed, running or waiting to be recorded."""
+        return not self.backlog() and not self.claimer.claiming and self.inflight.quiet()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until `idle()`; False on timeout. A sync point for tests and the demo."""
+        deadline = monotonic_s() + timeout_s
+        while monotonic_s() < deadline:
+            if self.idle():
+                return True
+            time.sleep(0.005)
+        return self.idle()
+
+    # --- shutdown -----------------------------------------------------------------------------
+    def _release(self, runs: list[ClaimedRun]) -> None:
+        """Give claimed runs that never started back to the ledger (pending, key re-armed)."""
+        if not runs:
+            return
+        by_token: dict[str, list[ClaimedRun]] = collections.defaultdict(list)
+        for run in runs:
+            by_token[run.token].append(run)
+        now_ms = self.rt.clock.now_ms()
+        try:
+            for token, group in by_token.items():
+                self.rt.store.release([r.row.id for r in group], token, now_ms)
+            self.rt.arm([(r.row.key, r.row.due_at_ms) for r in runs], now_ms)
+        except (StoreError, redis.RedisError) as exc:
+            logger.warning(
+                "could not release {} unstarted claim(s): {}; their leases will "
+                "expire and reconciliation will run them",
+                len(runs),
+                exc,
+            )
+        self.inflight.dropped(len(runs))
+        logger.info("released {} claimed task(s) that had not started", len(runs))
+
+    def _spawn(self, name: str, target: Callable[[], object]) -> None:
+        threads.spawn(name, target, stopped=self._stopped, errors=self.thread_errors)

@@ -1,0 +1,354 @@
+"""Running claimed tasks: a bounded pool of workers calls the handlers, a watchdog fails runs past
+their timeout, and each ended run becomes an outcome (done, retry at a time, or dead)."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from loguru import logger
+
+from keyexpiry import limits, retries, threads
+from keyexpiry.clock import monotonic_s
+from keyexpiry.context import TaskContext, set_current
+from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
+from keyexpiry.ledger.rows import Outcome, TaskStatus
+from keyexpiry.results import encode_result
+from keyexpiry.runner.coroutines import CoroutineRunner
+from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
+from keyexpiry.runner.transactional import run_in_transaction
+from keyexpiry.runtime import Runtime
+
+if TYPE_CHECKING:
+    from loguru import Logger
+
+_ERROR_MAX_CHARS = 8000
+_OUTCOME_NAMES = {TaskStatus.DONE: "done", TaskStatus.PENDING: "retry", TaskStatus.DEAD: "dead"}
+"""An outcome's status as the `outcome` label of keyexpiry_runs_total."""
+
+
+def ended(
+    rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None, result: str | None = None
+) -> Outcome:
+    """The outcome of a run that finished for good (done or dead)."""
+    return Outcome(
+        task_id=run.row.id,
+        key=run.row.key,
+        token=run.token,
+        status=status,
+        finished_at_ms=rt.clock.now_ms(),
+        due_at_ms=run.row.due_at_ms,
+        last_error=error,
+        result=result,
+    )
+
+
+def succeeded(rt: Runtime, run: ClaimedRun, value: object) -> Outcome:
+    """The outcome of a handler that returned `value`: done, the value kept as JSON.
+
+    A value that cannot be kept (not JSON, or over `result_max_bytes`) still leaves the task
+    done, with `last_error` saying why and no result: the handler's work is done, and running
+    it again would repeat that work only to fail the same way.
+    """
+    result, why = encode_result(value, rt.settings.result_max_bytes)
+    if why is not None:
+        logger.bind(key=run.row.key, attempt=run.row.attempts).warning("{}", why)
+    return ended(rt, run, TaskStatus.DONE, why, result)
+
+
+def failed(rt: Runtime, run: ClaimedRun, error: str, *, delay_s: float | None = None) -> Outcome:
+    """The outcome of a failed run: pending again after the schedule's next delay (or the
+    handler's own `Retry(delay_s)` when it is in range), or dead once out of attempts."""
+    row = run.row
+    schedule = retries.schedule_s(row.retry_schedule_s, run.spec.options, rt.settings)
+    retries_used = row.attempts - 1
+    log = logger.bind(key=row.key, attempt=row.attempts)
+    if retries_used >= len(schedule):
+        log.error("out of attempts ({}); task is dead", row.attempts)
+        return ended(rt, run, TaskStatus.DEAD, error)
+    delay = schedule[retries_used]
+    if delay_s is not None:
+        try:
+            delay = limits.number(
+                delay_s, "Retry(delay_s)", low=0, high=limits.MAX_DELAY_S, error=ArgumentError
+            )
+        except ArgumentError as exc:
+            log.warning("{}; retrying on the schedule instead ({:g} s)", exc, delay)
+    due = rt.clock.now_ms() + int(delay * 1000)
+    log.info("will retry in {:g} s", delay)
+    return Outcome(row.id, row.key, run.token, TaskStatus.PENDING, None, due, error)
+
+
+class Executor:
+    """The worker pool: each worker takes a claimed run, calls its handler, queues the outcome.
+
+    A run of an `async def` handler is handed to `coroutines` instead: the worker does not wait
+    for it, so coroutines in flight are bounded by `async_concurrency`, not by the workers.
+    """
+
+    def __init__(
+        self,
+        rt: Runtime,
+        inflight: InFlight,
+        stats: DispatchStats,
+        errors: threads.ThreadErrors,
+        stopped: threading.Event,
+    ) -> None:
+        self.rt = rt
+        self.inflight = inflight
+        self._stats = stats
+        self.errors = errors
+        self.stopped = stopped
+        self.threads: list[threading.Thread] = []
+        self.coroutines = CoroutineRunner(self, rt.settings.async_concurrency)
+        """Where `async def` handlers run: an event loop on a thread of its own."""
+
+    def spawn_worker(self) -> None:
+        """One more worker (at start, and to replace one abandoned to a hung handler)."""
+        self.threads.append(
+            threads.spawn("worker", self._worker_loop, stopped=self.stopped, errors=self.errors)
+        )
+
+    def _worker_loop(self) -> None:
+        while True:
+            run = self.inflight.runq.get()
+            if run is None:
+                return
+            try:
+                if run.spec.is_async:
+                    self.coroutines.submit(run)  # never waits: the worker takes the next run
+                elif self._execute(run):
+                    return  # timed out: the watchdog started a replacement; this thread retires
+            except Exception as exc:
+                self.run_broke(run, exc)
+
+    def run_broke(self, run: ClaimedRun, exc: Exception) -> None:
+        """Something other than the handler raised around a run (a bug, or a value that slipped
+        past every check): count it, record the run as failed if that still works, else leave
+        it to its lease. The worker (or the event loop) lives on either way."""
+        self.errors.add("worker")
+        log = logger.bind(key=run.row.key, attempt=run.row.attempts)
+        log.opt(exception=exc).error("unexpected error around this run; the worker carries on")
+        if not self.inflight.broke(run):
+            return  # failed by the watchdog, or its outcome queued before the error
+        try:
+            outcome = failed(self.rt, run, f"{type(exc).__name__} around the handler: {exc}")
+        except Exception:
+            log.error("could not record the failure; the run is retried when its lease ends")
+            return
+        self.inflight.add_outcome(outcome)
+
+    def _execute(self, run: ClaimedRun) -> bool:
+        """Run one claimed task with a sync handler; True when the watchdog abandoned it (this
+        thread retires)."""
+        prepared = self.begin(run)
+        if prepared is None:
+            return False
+        call, ctx = prepared
+        if run.spec.options.transactional:
+            return self._execute_in_transaction(run, call, ctx)
+        return not self.finish(run, self._call(run, call, ctx))
+
+    def _call(self, run: ClaimedRun, call: Callable[[], Any], ctx: TaskContext) -> Outcome:
+        """Call a sync handler with `ctx` as its `current()`; what it returned or raised, as an
+        outcome."""
+        result: object = None
+        error: BaseException | None = None
+        set_current(ctx)
+        try:
+            # Every line the handler logs carries its key and attempt too.
+            with logger.contextualize(key=ctx.key, attempt=ctx.attempt):
+                result = call()
+            if inspect.isawaitable(result):
+                _discard(result)
+                error = TypeError("the handler returned an awaitable: declare it `async def`")
+        except Exception as exc:
+            error = exc
+        finally:
+            set_current(None)
+        return self.settle(run, result, error)
+
+    def _execute_in_transaction(
+        self, run: ClaimedRun, call: Callable[[], Any], ctx: TaskContext
+    ) -> bool:
+        """`_execute` for a transactional handler (`keyexpiry.runner.transactional`)."""
+        outcome = run_in_transaction(
+            self.rt,
+            run,
+            self.inflight,
+            lambda conn: self._call(run, call, replace(ctx, transaction=conn)),
+            lambda why: failed(self.rt, run, why),
+        )
+        if outcome is None:  # rolled back, nothing to record here
+            if not self.inflight.broke(run):  # out of flight already: the watchdog failed it
+                logger.bind(key=ctx.key, attempt=ctx.attempt).warning(
+                    "abandoned run returned after its timeout; its transaction is rolled back"
+                )
+                return True
+            self._stats.claims_lost += 1
+            return False
+        return not self.finish(run, outcome)
+
+    def begin(self, run: ClaimedRun) -> tuple[Callable[[], Any], TaskContext] | None:
+        """What comes before any handler call, sync or async: the lease made to cover the run,
+        the run marked started (the watchdog times it from here), its arguments decoded.
+
+        Returns the handler call (arguments bound) and its context; None when the run ended
+        here: its claim was lost (dropped), or its row cannot run (recorded dead).
+        """
+        row = run.row
+        log = logger.bind(key=row.key, attempt=row.attempts)
+        started_ms = self.rt.clock.now_ms()
+        if not self._lease_covers(run, started_ms, log):
+            self.inflight.dropped()
+            return None
+        self.inflight.started(run)
+        self.rt.metrics.started(run.spec.label, started_ms - row.due_at_ms)
+        try:
+            if row.problem is not None:
+                raise ArgumentError(f"ledger row {row.id}: {row.problem}")
+            args = run.spec.decode_args(row.args)
+        except KeyExpiryError as exc:
+            log.error("not runnable: {}", exc)
+            self.finish(run, ended(self.rt, run, TaskStatus.DEAD, f"not runnable: {exc}"))
+            return None
+        ctx = TaskContext(row.key, row.attempts, row.due_at_ms, self.rt.store.engine, started_ms)
+        spec = run.spec
+
+        def call() -> Any:
+            # The instance is made inside the call: a constructor that raises is the handler's
+            # failure, retried like any other.
+            return spec.bind()(*args)
+
+        return call, ctx
+
+    def settle(self, run: ClaimedRun, result: object, error: BaseException | None) -> Outcome:
+        """What an ended handler call becomes, the same for sync and async handlers: returned
+        (done), or raised (retried on the schedule, or dead: `DoNotRetry`, out of attempts).
+
+        `result` is the handler's return value, kept with the row (`succeeded`).
+        """
+        log = logger.bind(key=run.row.key, attempt=run.row.attempts)
+        if error is None:
+            return succeeded(self.rt, run, result)
+        if isinstance(error, DoNotRetry):
+            log.warning("failed, not retrying: {}", error)
+            return ended(self.rt, run, TaskStatus.DEAD, f"DoNotRetry: {error}")
+        if isinstance(error, Retry):
+            return failed(self.rt, run, f"Retry: {error}", delay_s=error.delay_s)
+        text = "".join(traceback.format_exception(error))[-_ERROR_MAX_CHARS:]
+        log.opt(exception=error).warning("handler raised {}: {}", type(error).__name__, error)
+        return failed(self.rt, run, text)
+
+    def finish(self, run: ClaimedRun, outcome: Outcome) -> bool:
+        """Queue a started run's outcome; False when the watchdog already failed it (the
+        outcome is discarded)."""
+        row = run.row
+        log = logger.bind(key=row.key, attempt=row.attempts)
+        if not self.inflight.finished(run, outcome):
+            log.warning("abandoned run returned after its timeout; its result is discarded")
+            return False
+        assert run.started_s is not None
+        self.rt.metrics.ended(
+            run.spec.label, _OUTCOME_NAMES[outcome.status], monotonic_s() - run.started_s
+        )
+        if outcome.status is TaskStatus.DONE and outcome.finished_at_ms is not None:
+            late_ms = (row.started_at_ms or 0) - row.due_at_ms
+            log.bind(late_ms=late_ms).info(
+                "done in {} ms, started {} ms after due",
+                outcome.finished_at_ms - (row.started_at_ms or outcome.finished_at_ms),
+                late_ms,
+            )
+        return True
+
+    def _lease_covers(self, run: ClaimedRun, now_ms: int, log: Logger) -> bool:
+        """Make sure the claim's lease outlasts this run; False if the claim was lost meanwhile.
+
+        A run that waited in the queue may start with less lease left than its timeout; without
+        an extension another listener could take it over mid-run and run it a second time.
+        """
+        grace_ms = int(self.rt.settings.lease_grace_s * 1000)
+        needed_ms = now_ms + int(run.timeout_s * 1000) + grace_ms // 2
+        if run.lease_until_ms >= needed_ms:
+            return True
+        until_ms = now_ms + int(run.timeout_s * 1000) + grace_ms
+        try:
+            kept = self.rt.store.extend_lease(run.row.id, run.token, until_ms, now_ms)
+        except StoreError as exc:
+            # Unknown whether the lease still holds: give the run back to reconciliation rather
+            # than risk a second copy running.
+            log.warning("could not extend a late-starting claim's lease: {}; not running", exc)
+            self._stats.claims_lost += 1
+            return False
+        if not kept:
+            log.warning("claim lost while queued (its lease ran out); not running it here")
+            self._stats.claims_lost += 1
+            return False
+        run.lease_until_ms = until_ms
+        self._stats.leases_extended += 1
+        return True
+
+
+class Watchdog:
+    """Fails runs past their timeout: a coroutine is cancelled; a thread cannot be killed in
+    Python, so a hung one is abandoned and a fresh worker takes its slot."""
+
+    def __init__(self, rt: Runtime, executor: Executor, stats: DispatchStats) -> None:
+        self.rt = rt
+        self._executor = executor
+        self.inflight = executor.inflight
+        self._stats = stats
+
+    def loop(self) -> None:
+        """Check until the dispatcher stops, sleeping until the next run could be late."""
+        stopped = self._executor.stopped
+        while not stopped.is_set():
+            next_deadline = self._fail_late_runs(monotonic_s())
+            stopped.wait(max(0.005, min(next_deadline - monotonic_s(), 0.5)))
+
+    def _fail_late_runs(self, now: float) -> float:
+        """Record runs past their timeout as failed; return when the next one is due to end."""
+        late, next_deadline = self.inflight.take_late(now)
+        self._stats.timed_out += len(late)
+        for run in late:
+            self.rt.metrics.ended(run.spec.label, "timeout", run.timeout_s)
+            log = logger.bind(key=run.row.key, attempt=run.row.attempts)
+            log.error(
+                "handler exceeded its timeout of {:g} s; recorded as failed ({})",
+                run.timeout_s,
+                "its coroutine is cancelled" if run.spec.is_async else "its thread is abandoned",
+            )
+            if run.spec.is_async:
+                self._executor.coroutines.cancel(run)
+            else:
+                self._executor.spawn_worker()
+            end_tx = run.end_tx
+            if run.tx_taken and end_tx is not None:
+                try:
+                    end_tx()  # its locks go now, not when (if ever) the handler returns
+                    log.warning("its transaction was ended (its writes rolled back)")
+                except Exception as exc:
+                    log.warning("could not end its transaction: {}", exc)
+            try:
+                outcome = failed(
+                    self.rt, run, f"TimeoutError: handler exceeded {run.timeout_s:g} s"
+                )
+            except Exception:
+                self._executor.errors.add("watchdog")
+                log.opt(exception=True).error(
+                    "could not record the timeout; the run is retried when its lease ends"
+                )
+                continue
+            self.inflight.add_outcome(outcome)
+        return next_deadline
+
+
+def _discard(awaitable: Awaitable[Any]) -> None:
+    """Close a coroutine that will never be awaited (no "never awaited" warning)."""
+    close = getattr(awaitable, "close", None)
+    if callable(close):
+        close()

@@ -1,0 +1,261 @@
+"""What is in flight between claim and record: the claimed runs, the outcomes waiting to be
+written, and the one condition that guards them (claimer, workers, watchdog and recorder share it).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from keyexpiry.clock import monotonic_s
+from keyexpiry.ledger.rows import Outcome, TaskRow
+from keyexpiry.registry import TaskSpec
+
+# Claims may run ahead of the workers by about this much queued work, so the claimer's round trip
+# is paid per batch, not per worker slot; the queue stays short enough that a claim's lease
+# rarely needs extending before its handler starts.
+_QUEUE_TARGET_S = 0.25
+# Outcomes wait about this long for others before they are written: a trickle of handlers ending
+# one at a time is recorded in one transaction per interval, not one per run. Nothing waits on
+# the write (the worker slot is free as soon as the handler returns), so only the ledger's view
+# of a finished run lags by this much.
+RECORD_GATHER_S = 0.05
+
+
+@dataclass(eq=False)
+class ClaimedRun:
+    """One claimed row on its way through a worker: its claim token, lease and timing."""
+
+    row: TaskRow
+    token: str
+    spec: TaskSpec
+    timeout_s: float
+    lease_until_ms: int
+    started_s: float | None = None
+    abandoned: bool = False
+    """Failed by the watchdog; whatever its thread returns later is discarded."""
+    committing: bool = False
+    """A transactional run committing its success: the watchdog leaves it be."""
+    end_tx: Callable[[], None] | None = None
+    """Ends a transactional run's open transaction from another thread (MySQL/MariaDB: kills its
+    connection), while the run holds it; the watchdog takes it when it abandons the run."""
+    tx_taken: bool = False
+    """The watchdog took `end_tx`: the run's connection must never go back to the pool."""
+
+
+@dataclass
+class DispatchStats:
+    """Counters since start, for status output, tests and the benchmark."""
+
+    submitted: int = 0
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    timed_out: int = 0
+    not_claimed: int = 0
+    already_queued: int = 0
+    """Submissions dropped because the key was still waiting for its claim."""
+    leases_extended: int = 0
+    claims_lost: int = 0
+    ignored: int = 0
+    store_errors: int = 0
+
+
+class InFlight:
+    """Claimed runs (queued or running) and outcomes not yet recorded, under one condition."""
+
+    def __init__(self, concurrency: int, claim_batch: int, async_limit: int = 100) -> None:
+        self.cond = threading.Condition()
+        self.runq: queue.SimpleQueue[ClaimedRun | None] = queue.SimpleQueue()
+        self.count = 0
+        """Claimed and not yet finished (queued or running)."""
+        self.running: dict[int, ClaimedRun] = {}
+        self.coroutines = 0
+        """Runs of async handlers started and not finished (they hold no worker)."""
+        self.outcomes: list[Outcome] = []
+        self._first_outcome_s = 0.0  # when the oldest queued outcome was queued
+        self.recording = 0
+        """Outcomes taken by the recorder and not yet written."""
+        self._concurrency = concurrency
+        self._claim_batch = claim_batch
+        self._async_limit = async_limit
+        self._run_s_avg: float | None = None  # moving average of handler run time
+
+    def claim_limit(self) -> int:
+        """How many claimed runs may be in flight: the workers plus a short queue ahead of them,
+        plus room for coroutines.
+
+        The queue is sized from the measured run time of sync handlers so it holds about
+        `_QUEUE_TARGET_S` of work: hundreds for trivial handlers, none beyond the pool for slow
+        ones. Coroutines hold no worker: each running one widens the window by one, and by one
+        more while the loop has a free slot for it, so a burst of async tasks reaches
+        `async_concurrency` in a few doubling claims rather than a worker pool's worth at a time.
+        """
+        workers = self._concurrency
+        avg = self._run_s_avg
+        ahead = (
+            workers
+            if avg is None
+            else min(int(workers * _QUEUE_TARGET_S / max(avg, 1e-4)), self._claim_batch)
+        )
+        running = self.coroutines
+        return workers + ahead + running + min(running, self._async_limit - running)
+
+    def add_claimed(self, runs: list[ClaimedRun]) -> None:
+        """Queue freshly claimed runs for the workers."""
+        with self.cond:
+            self.count += len(runs)
+        for run in runs:
+            self.runq.put(run)
+
+    def started(self, run: ClaimedRun) -> None:
+        """A worker begins `run` (the watchdog now times it)."""
+        with self.cond:
+            run.started_s = monotonic_s()
+            self.running[run.row.id] = run
+            if run.spec.is_async:
+                self.coroutines += 1
+
+    def dropped(self, count: int = 1) -> None:
+        """Claimed runs that will not run here (claim lost, released at shutdown)."""
+        with self.cond:
+            self.count -= count
+            self.cond.notify_all()
+
+    def finished(self, run: ClaimedRun, outcome: Outcome) -> bool:
+        """A run returned; queue its outcome. False when the watchdog already failed it."""
+        with self.cond:
+            if run.abandoned:
+                return False
+            self._leave(run)
+            self._queue_outcome(outcome)
+            assert run.started_s is not None
+            if not run.spec.is_async:
+                # A coroutine's time says nothing of how long a worker stays busy.
+                took_s = monotonic_s() - run.started_s
+                avg = self._run_s_avg
+                self._run_s_avg = took_s if avg is None else avg + 0.05 * (took_s - avg)
+            self.cond.notify_all()
+        return True
+
+    def committing(self, run: ClaimedRun) -> bool:
+        """A transactional run is about to record and commit its success: from now on the
+        watchdog leaves it alone (its commit decides). False when the watchdog already failed
+        it: it must roll back."""
+        with self.cond:
+            if run.abandoned:
+                return False
+            run.committing = True
+        return True
+
+    def attach_tx(self, run: ClaimedRun, end: Callable[[], None]) -> bool:
+        """A transactional run holds an open transaction that `end` can end from outside;
+        False when the watchdog already failed it (it must not run)."""
+        with self.cond:
+            if run.abandoned:
+                return False
+            run.end_tx = end
+        return True
+
+    def detach_tx(self, run: ClaimedRun) -> bool:
+        """A transactional run is done with its connection: True when the connection may go
+        back to the pool, False when the watchdog is ending it (discard it)."""
+        with self.cond:
+            run.end_tx = None
+            return not run.tx_taken
+
+    def broke(self, run: ClaimedRun) -> bool:
+        """Something around `run` raised: take it out of flight. False when it is already out
+        (failed by the watchdog, or its outcome queued before the error)."""
+        with self.cond:
+            if run.abandoned:
+                return False
+            if run.started_s is not None and run.row.id not in self.running:
+                return False
+            self._leave(run)
+            self.cond.notify_all()
+        return True
+
+    def take_late(self, now: float) -> tuple[list[ClaimedRun], float]:
+        """Runs past their timeout, marked abandoned and out of flight; and when the next
+        running one will be late."""
+        late: list[ClaimedRun] = []
+        next_deadline = now + 0.5
+        with self.cond:
+            for run in self.running.values():
+                assert run.started_s is not None
+                deadline = run.started_s + run.timeout_s
+                if run.committing:
+                    continue
+                if deadline <= now:
+                    late.append(run)
+                else:
+                    next_deadline = min(next_deadline, deadline)
+            for run in late:
+                run.abandoned = True
+                run.tx_taken = run.end_tx is not None
+                self._leave(run)
+            if late:
+                self.cond.notify_all()
+        return late, next_deadline
+
+    def _leave(self, run: ClaimedRun) -> None:
+        """`run` is out of flight (under the condition)."""
+        self.count -= 1
+        if self.running.pop(run.row.id, None) is not None and run.spec.is_async:
+            self.coroutines -= 1
+
+    def add_outcome(self, outcome: Outcome) -> None:
+        """Queue an outcome decided outside a worker (timeout, failure around a run)."""
+        with self.cond:
+            self._queue_outcome(outcome)
+            self.cond.notify_all()
+
+    def _queue_outcome(self, outcome: Outcome) -> None:
+        if not self.outcomes:
+            self._first_outcome_s = monotonic_s()
+        self.outcomes.append(outcome)
+
+    def take_outcomes(self) -> list[Outcome]:
+        """Every queued outcome, now counted as being recorded."""
+        with self.cond:
+            batch, self.outcomes = self.outcomes, []
+            self.recording += len(batch)
+        return batch
+
+    def recorded(self, count: int) -> None:
+        """`count` outcomes taken by `take_outcomes` are written (or given up)."""
+        with self.cond:
+            self.recording -= count
+            self.cond.notify_all()
+
+    def put_back(self, batch: list[Outcome]) -> None:
+        """Outcomes whose write failed go back to the head of the queue."""
+        with self.cond:
+            if not self.outcomes:
+                self._first_outcome_s = monotonic_s()
+            self.outcomes[:0] = batch
+            self.recording -= len(batch)
+
+    def wait_outcomes(self, timeout_s: float, gather_s: float = RECORD_GATHER_S) -> None:
+        """Wait up to `timeout_s` for an outcome to record, then until the oldest queued one has
+        waited `gather_s` for others to join it."""
+        with self.cond:
+            if not self.outcomes:
+                self.cond.wait(timeout_s)
+            if not self.outcomes:
+                return
+            left_s = self._first_outcome_s + gather_s - monotonic_s()
+        # A sleep, not the condition: every ending run notifies it, and each wake-up would cost
+        # about what the gathering saves.
+        if left_s > 0:
+            time.sleep(left_s)
+
+    def quiet(self) -> bool:
+        """Nothing claimed, running or waiting to be recorded."""
+        with self.cond:
+            return self.count == 0 and not self.outcomes and self.recording == 0

@@ -1,0 +1,153 @@
+"""Recording outcomes: ended runs are written to the ledger in batches, retries re-armed in Redis;
+a database outage holds them (never loses them), a locked or refused row holds back only its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+from loguru import logger
+
+from keyexpiry.clock import monotonic_s
+from keyexpiry.errors import StoreError
+from keyexpiry.ledger.rows import Outcome, TaskStatus
+from keyexpiry.runner.inflight import DispatchStats, InFlight
+from keyexpiry.runtime import Runtime
+from keyexpiry.threads import Backoff, ThreadErrors
+
+
+class Recorder:
+    """Writes queued outcomes until stopped; `flush` writes what is left at shutdown."""
+
+    def __init__(
+        self, rt: Runtime, inflight: InFlight, stats: DispatchStats, errors: ThreadErrors
+    ) -> None:
+        self.rt = rt
+        self._inflight = inflight
+        self._stats = stats
+        self._errors = errors
+
+    def loop(self, stopped: threading.Event) -> None:
+        """Record as outcomes arrive until `stopped` is set."""
+        while not stopped.is_set():
+            self._inflight.wait_outcomes(0.05)
+            self.flush(deadline=None)
+
+    def flush(self, deadline: float | None) -> None:
+        """Write every queued outcome; on failure keep them and retry with backoff (until
+        `deadline` on the monotonic clock, when given)."""
+        settings = self.rt.settings
+        backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
+        inflight = self._inflight
+        while True:
+            batch = inflight.take_outcomes()
+            if not batch:
+                return
+            try:
+                self.rt.store.record(batch, self.rt.clock.now_ms())
+            except Exception as exc:
+                if not isinstance(exc, StoreError | redis.RedisError):
+                    # Not an outage: some outcome the database refuses. Write the rest one by one
+                    # and leave that run to its lease, rather than retry the batch forever.
+                    self._errors.add("recorder")
+                    logger.opt(exception=exc).error(
+                        "recording {} outcome(s) failed unexpectedly; recording them one by one",
+                        len(batch),
+                    )
+                    batch = self._record_one_by_one(batch)
+                    if not batch:
+                        continue
+                    exc = StoreError(f"{len(batch)} outcome(s) not recorded")
+                self._stats.store_errors += 1
+                if isinstance(exc, StoreError) and exc.lock_timeout and len(batch) > 1:
+                    written, batch = self._record_around_locks(batch)
+                    self._after_record(written)
+                    inflight.recorded(len(written))
+                    if not batch:  # the lock went meanwhile: everything is written
+                        continue
+                inflight.put_back(batch)
+                if deadline is not None and monotonic_s() > deadline:
+                    logger.error(
+                        "could not record {} outcome(s) before shutdown: {}; their "
+                        "leases will expire and they will run again",
+                        len(batch),
+                        exc,
+                    )
+                    return
+                wait_s = backoff.next_s()
+                logger.error(
+                    "recording {} outcome(s) failed: {}; retrying in {:.1f} s",
+                    len(batch),
+                    exc,
+                    wait_s,
+                )
+                time.sleep(wait_s)
+                continue
+            self._after_record(batch)
+            inflight.recorded(len(batch))
+
+    def _record_one_by_one(self, batch: list[Outcome]) -> list[Outcome]:
+        """Record each outcome alone; drop (log, count) those that raise something other than a
+        database outage, and return those still to write. Dropped runs stay `running` until
+        their lease ends, then run again: at least once, never lost."""
+        left: list[Outcome] = []
+        written: list[Outcome] = []
+        for outcome in batch:
+            try:
+                self.rt.store.record([outcome], self.rt.clock.now_ms())
+                written.append(outcome)
+            except (StoreError, redis.RedisError):
+                left.append(outcome)
+            except Exception:
+                self._errors.add("recorder")
+                logger.bind(key=outcome.key, attempt=0).opt(exception=True).error(
+                    "could not record this outcome; the run is retried when its lease ends"
+                )
+        self._after_record(written)
+        self._inflight.recorded(len(batch) - len(left))
+        return left
+
+    def _record_around_locks(self, batch: list[Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+        """Another transaction held one of these rows past the lock wait timeout: record the
+        outcomes one by one so only those of locked rows wait. Retrying the whole batch would
+        hold every other outcome back until the lock goes, long enough for their leases to run
+        out and their tasks to run a second time. Returns (written, still to write)."""
+        logger.warning(
+            "recording {} outcome(s) waited too long on a row lock; recording them one by one",
+            len(batch),
+        )
+        written: list[Outcome] = []
+        locked: list[Outcome] = []
+        for i, outcome in enumerate(batch):
+            try:
+                self.rt.store.record([outcome], self.rt.clock.now_ms())
+            except StoreError as err:
+                if not err.lock_timeout:
+                    return written, locked + batch[i:]  # the database went away: later
+                logger.bind(key=outcome.key, attempt=0).warning(
+                    "row locked by another transaction ({}); its outcome is kept and retried", err
+                )
+                locked.append(outcome)
+                continue
+            written.append(outcome)
+        return written, locked
+
+    def _after_record(self, batch: list[Outcome]) -> None:
+        retries = [o for o in batch if o.status is TaskStatus.PENDING]
+        for o in batch:
+            log = logger.bind(key=o.key, attempt=0)
+            if o.status is TaskStatus.DONE:
+                self._stats.done += 1
+                log.debug("done")
+            elif o.status is TaskStatus.DEAD:
+                self._stats.dead += 1
+            else:
+                self._stats.retried += 1
+        if retries:
+            try:
+                self.rt.arm([(o.key, o.due_at_ms) for o in retries])
+            except redis.RedisError as exc:
+                logger.warning(
+                    "could not re-arm {} retry key(s): {}; reconciliation will", len(retries), exc
+                )
