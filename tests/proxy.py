@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Self
@@ -45,6 +46,9 @@ class _Rule:
     alone: bool = False
     """Matched against each statement on its own (an autocommitted one), not a COMMIT's
     transaction."""
+    failover_s: float = 0.0
+    """When it fires, the node is lost as in a failover: every other connection is cut and new
+    ones are refused for this long."""
 
 
 @dataclass(eq=False)
@@ -73,6 +77,9 @@ class MySQLProxy:
         self.commits_seen: list[Sequence[bytes]] = []
         """Every transaction that ended with COMMIT, as its statements (for diagnosis)."""
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="proxy")
+        self._refuse_until_s = 0.0
+        self.answering_again_s: float | None = None
+        """When the last failover's window ended (monotonic), once it has."""
 
     @property
     def url(self) -> str:
@@ -84,11 +91,15 @@ class MySQLProxy:
         with self._lock:
             self._rules.append(_Rule(when, times, fault))
 
-    def break_statement(self, when: TxRule, *, fault: Fault = "reply", times: int = 1) -> None:
+    def break_statement(
+        self, when: TxRule, *, fault: Fault = "reply", times: int = 1, failover_s: float = 0.0
+    ) -> None:
         """Break the next `times` statements for which `when([statement])` is true, as they are
-        sent (for statements that commit on their own: the server's answer is the commit's)."""
+        sent (for statements that commit on their own: the server's answer is the commit's).
+        With `failover_s`, the database is then out of reach for that long, every connection
+        cut (a primary lost while a proxy still routes to it)."""
         with self._lock:
-            self._rules.append(_Rule(when, times, fault, alone=True))
+            self._rules.append(_Rule(when, times, fault, alone=True, failover_s=failover_s))
 
     def start(self) -> Self:
         """Accept connections on a background thread."""
@@ -118,6 +129,9 @@ class MySQLProxy:
                 client, _ = self._listen.accept()
             except OSError:
                 return  # closed
+            if time.monotonic() < self._refuse_until_s:
+                client.close()  # the node is gone: the connection breaks at once
+                continue
             try:
                 server = socket.create_connection(self._upstream, timeout=5)
             except OSError:
@@ -168,21 +182,41 @@ class MySQLProxy:
             return None
         if word != b"COMMIT":
             pair.tx.append(text)
-            return self._match([text], alone=True)
+            return self._match([text], alone=True, pair=pair)
         statements, pair.tx = pair.tx, []
         with self._lock:
             self.commits_seen.append(statements)
-        return self._match(statements, alone=False)
+        return self._match(statements, alone=False, pair=pair)
 
-    def _match(self, statements: Sequence[bytes], *, alone: bool) -> Fault | None:
+    def _match(self, statements: Sequence[bytes], *, alone: bool, pair: _Pair) -> Fault | None:
         with self._lock:
             for rule in self._rules:
                 if rule.alone is alone and rule.times > 0 and rule.when(statements):
                     rule.times -= 1
                     self.broken += 1
                     self.broken_event.set()
+                    if rule.failover_s:
+                        self._fail_over(rule.failover_s, spare=pair)
                     return rule.fault
         return None
+
+    def _fail_over(self, seconds: float, spare: _Pair) -> None:
+        """Refuse new connections for `seconds` and cut the others (under the lock); `spare`,
+        whose statement fired the rule, meets its own fault."""
+        self._refuse_until_s = time.monotonic() + seconds
+        self.answering_again_s = None
+        for pair in self._pairs:
+            if pair is not spare:
+                for sock in (pair.client, pair.server):
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        def answered() -> None:
+            self.answering_again_s = self._refuse_until_s
+
+        threading.Timer(seconds, answered).start()
 
     def _server_to_client(self, pair: _Pair) -> None:
         while True:

@@ -201,6 +201,7 @@ COLUMNS = (
     "rss_after_warm_up_mb",
     "rss_end_mb",
     "rss_mb_per_100k",
+    "rss_mb_per_100k_late",
 )
 """The figures in the table, in order; a column no row has a value for is left out."""
 

@@ -8,6 +8,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import redis
 from loguru import logger
@@ -24,6 +25,15 @@ from keyexpiry.threads import Backoff, ThreadErrors
 
 _WARNED_UNKNOWN_MAX = 1000
 """Unknown classes and methods explained once each; past this many, only at debug level."""
+
+
+@dataclass(frozen=True)
+class _Unsettled:
+    """A claim whose commit's outcome is unknown: the connection broke between sending it and
+    reading its answer. Its keys are claimed again under its token before any other claim."""
+
+    keys: list[str]
+    token: str
 
 
 class Intake:
@@ -99,34 +109,55 @@ class Claimer:
         self._errors = errors
         self._seq = itertools.count(1)
         self._warned_unknown: set[str] = set()
+        self._unsettled: _Unsettled | None = None
         self._refused_said = SaidOnce(limit=1_000)
         self.claiming = False
         self.stop = threading.Event()
 
     def loop(self) -> None:
-        """Claim until `stop` is set; whatever fails, the keys stay queued and the loop lives."""
+        """Claim until `stop` is set; whatever fails, the keys stay queued and the loop lives.
+
+        A claim whose commit's outcome is unknown (`_Unsettled`) is claimed again under its own
+        token before anything else, as soon as the ledger answers: the rows it took run now,
+        not a lease later.
+        """
         backoff = Backoff(self.rt.settings.reconnect_initial_s, self.rt.settings.reconnect_max_s)
         inflight = self._inflight
         while not self.stop.is_set():
-            if not self.intake.wait(0.1):
-                continue
-            with inflight.cond:
-                self.claiming = True
-                while inflight.count >= inflight.claim_limit() and not self.stop.is_set():
-                    inflight.cond.wait(0.1)
-                room = min(inflight.claim_limit() - inflight.count, self.rt.settings.claim_batch)
-            if self.stop.is_set():
-                self.claiming = False
-                break
-            batch = self.intake.take(room)
+            unsettled, self._unsettled = self._unsettled, None
+            if unsettled is not None:
+                batch, token = unsettled.keys, unsettled.token
+            else:
+                if not self.intake.wait(0.1):
+                    continue
+                with inflight.cond:
+                    self.claiming = True
+                    while inflight.count >= inflight.claim_limit() and not self.stop.is_set():
+                        inflight.cond.wait(0.1)
+                    room = min(
+                        inflight.claim_limit() - inflight.count, self.rt.settings.claim_batch
+                    )
+                if self.stop.is_set():
+                    self.claiming = False
+                    break
+                batch, token = self.intake.take(room), f"{self.rt.owner}:{next(self._seq)}"
+            self.claiming = True
             try:
-                self._claim_batch(batch)
+                self._claim_batch(batch, token)
+                if unsettled is not None:
+                    self._stats.claims_settled += 1
+                    logger.info(
+                        "ledger answers again: the claim of {} task(s) whose commit was unknown "
+                        "is settled",
+                        len(batch),
+                    )
                 backoff.reset()
             except Exception as exc:
                 # A dead claimer would leave the keys marked queued, and every later sighting
                 # of them ignored.
                 self._stats.store_errors += 1
-                self.intake.requeue(batch)
+                if self._unsettled is None:
+                    self.intake.requeue(batch)
                 wait_s = backoff.next_s()
                 if isinstance(exc, StoreError | redis.RedisError):
                     logger.error(
@@ -144,7 +175,12 @@ class Claimer:
             finally:
                 self.claiming = False
 
-    def _claim_batch(self, keys: list[str]) -> None:
+    def unsettled_keys(self) -> int:
+        """Keys of a claim whose commit's outcome is unknown, waiting to be claimed again."""
+        unsettled = self._unsettled
+        return 0 if unsettled is None else len(unsettled.keys)
+
+    def _claim_batch(self, keys: list[str], token: str) -> None:
         specs: dict[str, TaskSpec] = {}
         for key in keys:
             spec = self._spec_for_key(key)
@@ -156,7 +192,6 @@ class Claimer:
         now_ms = self.rt.clock.now_ms()
         timeout_s = max(retries.timeout_s(s.options, settings) for s in specs.values())
         lease_until_ms = now_ms + int((timeout_s + settings.lease_grace_s) * 1000)
-        token = f"{self.rt.owner}:{next(self._seq)}"
         locked: set[str] = set()
         try:
             rows = self.rt.store.claim(
@@ -164,6 +199,10 @@ class Claimer:
             )
         except StoreError as exc:
             if not exc.lock_timeout:
+                # The statement may have committed before its answer was lost (a failover, a
+                # cut connection): its rows may be running under `token` with no thread to run
+                # them. Only the same token finds them again.
+                self._unsettled = _Unsettled(list(specs), token)
                 raise
             rows, locked = self._claim_around_locks(list(specs), exc, now_ms, lease_until_ms, token)
         self._stats.claimed += len(rows)
@@ -218,7 +257,7 @@ class Claimer:
                 if not err.lock_timeout:
                     # The rows claimed so far must still run; the rest waits in the backlog.
                     logger.error("claiming {} task(s) failed: {}", len(keys) - i, err)
-                    self.intake.requeue(keys[i:])
+                    self._unsettled = _Unsettled(keys[i:], token)
                     break
                 _log_locked(key, err)
                 locked.add(key)

@@ -103,8 +103,9 @@ class Dispatcher:
             inflight.cond.notify_all()
 
     def backlog(self) -> int:
-        """Keys submitted and not yet claimed (or found not claimable)."""
-        return len(self.claimer.intake)
+        """Keys submitted and not yet claimed (or found not claimable), a claim whose commit's
+        outcome is unknown included."""
+        return len(self.claimer.intake) + self.claimer.unsettled_keys()
 
     def idle(self) -> bool:
         """Nothing queued, claimed, running or waiting to be recorded."""

@@ -61,6 +61,8 @@ class DispatchStats:
     """Submissions dropped because the key was still waiting for its claim."""
     leases_extended: int = 0
     claims_lost: int = 0
+    claims_settled: int = 0
+    """Claims whose commit's outcome was unknown, claimed again under their token."""
     ignored: int = 0
     store_errors: int = 0
 
