@@ -571,16 +571,12 @@ def list_tasks(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
     """List tasks by due time."""
-    from keyexpiry.ledger.store import TaskStatus
+    from keyexpiry.ledger.rows import task_status
     from keyexpiry.printable import printable
     from keyexpiry.runtime import open_store
     from keyexpiry.tags import check_tag
 
-    try:
-        wanted = TaskStatus(status) if status else None
-    except ValueError:
-        allowed = ", ".join(s.value for s in TaskStatus)
-        raise ConfigError(f"--status {status!r}: use one of {allowed}") from None
+    wanted = task_status(status or None, ConfigError, "--status")
     wanted_tag = check_tag(tag, ConfigError)
     store = open_store(_settings(ctx))
     try:

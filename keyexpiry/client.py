@@ -19,6 +19,7 @@ from keyexpiry.errors import (
     UnknownTaskError,
 )
 from keyexpiry.keys import braces_unescaped, clip, format_key, shorten
+from keyexpiry.ledger.rows import task_status
 from keyexpiry.ledger.scheduling import Did, IfExists, Rule, Scheduled
 from keyexpiry.ledger.store import NewTask, Store, TaskRow, TaskStatus
 from keyexpiry.ledger.transactions import Tx, after_commit, check_same_database, connection_of
@@ -29,18 +30,6 @@ from keyexpiry.tags import check_tag
 
 Status = TaskStatus | Literal["pending", "running", "done", "dead", "cancelled"]
 """A status as callers write it: `TaskStatus.DONE` or `"done"`."""
-_STATUSES: dict[object, TaskStatus] = {s.value: s for s in TaskStatus}
-
-
-def task_status(value: object, error: type[KeyExpiryError]) -> TaskStatus | None:
-    """The status `value` names (None: any); `error` naming the allowed ones for anything else."""
-    if value is None or isinstance(value, TaskStatus):
-        return value
-    try:
-        return _STATUSES[value]
-    except (KeyError, TypeError):
-        allowed = ", ".join(repr(s.value) for s in TaskStatus)
-        raise error(f"status must be one of {allowed}, got {shorten(repr(value), 80)}") from None
 
 
 def list_limit(value: object, error: type[KeyExpiryError]) -> int:

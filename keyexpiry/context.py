@@ -20,6 +20,8 @@ class TaskContext:
     key: str
     attempt: int
     due_at_ms: int
+    """When the task was due; never before 1970 (`limits.MIN_DUE_MS`): a row written outside
+    keyexpiry with an earlier due time runs as due now and gives that."""
     engine: Engine
     started_at_ms: int = 0
     transaction: Connection | None = None

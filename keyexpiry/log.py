@@ -44,6 +44,15 @@ def _format(record: Any) -> str:
 
 
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
+"""loguru's levels, any case: what `configure_logging` and `Settings.log_level` take."""
+
+
+def check_log_level(level: object) -> str:
+    """`level` when it is one of `LOG_LEVELS` (any case); else a ConfigError naming them."""
+    if not isinstance(level, str) or level.upper() not in LOG_LEVELS:
+        raise ConfigError(f"log level {level!r}: use one of {', '.join(LOG_LEVELS)}")
+    return level
 
 
 def configure_logging(
@@ -56,11 +65,7 @@ def configure_logging(
     """
     if log_format not in LOG_FORMATS:
         raise ConfigError(f"log format {log_format!r}: use one of {', '.join(LOG_FORMATS)}")
-    try:
-        logger.level(level.upper())
-    except (ValueError, TypeError, AttributeError):
-        levels = "TRACE, DEBUG, INFO, SUCCESS, WARNING, ERROR, CRITICAL"
-        raise ConfigError(f"log level {level!r}: use one of {levels}") from None
+    check_log_level(level)
     logger.remove()
     json = log_format == "json"
     logger.add(

@@ -22,7 +22,7 @@ from redis.retry import Retry
 from sqlalchemy import URL
 
 from keyexpiry.clock import RedisClock
-from keyexpiry.errors import RedisUnavailableError
+from keyexpiry.errors import ConfigError, RedisUnavailableError
 from keyexpiry.ledger.store import Store, make_engine
 from keyexpiry.masking import mask_url, redact
 from keyexpiry.redis.arming import arm_keys, redis_db
@@ -63,7 +63,15 @@ class Runtime:
         store: Store | None = None,
         owner: str | None = None,
     ) -> Runtime:
-        """Connect to what `settings` name (starting the embedded Redis if it is the default)."""
+        """Connect to what `settings` name (starting the embedded Redis if it is the default).
+
+        A `store` given reads keys under its own `key_prefix`: the settings' one, or a
+        ConfigError (a row's class is its key's after the prefix)."""
+        if store is not None and store.key_prefix != settings.key_prefix:
+            raise ConfigError(
+                f"the store's key_prefix {store.key_prefix!r} is not the settings' "
+                f"{settings.key_prefix!r}: make it with Store(engine, key_prefix=...)"
+            )
         url = resolve_redis_url(settings)
         cluster = None
         if is_cluster_url(url):
@@ -144,7 +152,7 @@ def resolve_database_url(settings: Settings) -> str:
 
 def open_store(settings: Settings) -> Store:
     """The ledger for `settings`."""
-    return Store(make_engine(resolve_database_url(settings)))
+    return Store(make_engine(resolve_database_url(settings)), key_prefix=settings.key_prefix)
 
 
 def redis_client(url: str, settings: Settings, *, pubsub: bool = False) -> Redis:
@@ -176,7 +184,8 @@ def redis_options(url: str, settings: Settings, *, pubsub: bool = False) -> dict
         "retry": retry,
         "socket_connect_timeout": 5,
         "socket_timeout": None if pubsub else 10,
-        "health_check_interval": int(settings.health_check_interval_s),
+        # As given: redis-py compares it with monotonic time (int() made 0.5 s into 0, off).
+        "health_check_interval": settings.health_check_interval_s,
         "decode_responses": False,
     }
     if not url.startswith("unix:"):

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from keyexpiry import limits
 from keyexpiry.errors import ConfigError
+from keyexpiry.log import check_log_level
 from keyexpiry.masking import mask_url, redact
 from keyexpiry.redis.cluster import is_cluster_url, parse_cluster_url
 
@@ -54,6 +55,8 @@ class Settings:
     reconnect_initial_s: float = 0.5
     reconnect_max_s: float = 30.0
     health_check_interval_s: float = 10.0
+    """A Redis connection idle longer than this is PINGed (by redis-py) before its next
+    command: 0 turns that off; otherwise 0.05 s to an hour, fractions kept."""
     claim_batch: int = 256
     canary_interval_s: float = 30.0
     lease_check_s: float = 10.0
@@ -122,6 +125,13 @@ class Settings:
             limits.number(value, name, low=low, high=high, error=ConfigError)
             if name in _WHOLE and not isinstance(value, int):
                 raise ConfigError(f"{name} must be a whole number, got {value!r}")
+        if 0 < self.health_check_interval_s < limits.MIN_INTERVAL_S:
+            # redis-py PINGs before a read on a connection idle longer than this: on the
+            # subscription each PONG ends a read at once, so a tiny one is a loop of round trips.
+            raise ConfigError(
+                f"health_check_interval_s must be 0 (off) or from {limits.MIN_INTERVAL_S} to "
+                f"3600, got {self.health_check_interval_s!r}"
+            )
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ConfigError("reconnect_max_s must be >= reconnect_initial_s")
         if self.takeover_after_s < 2 * self.heartbeat_s:
@@ -138,8 +148,7 @@ class Settings:
                     f"web_allowed_hosts: {host[:80]!r} is not a host name, IP address, "
                     "*.domain or *"
                 )
-        if self.log_level.upper() not in LOG_LEVELS:
-            raise ConfigError(f"log_level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+        check_log_level(self.log_level)
         if "@" in self.key_prefix or len(self.key_prefix) > 64:
             raise ConfigError("key_prefix must not contain '@' and must be at most 64 characters")
         try:
@@ -203,7 +212,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "shutdown_timeout_s": (0, limits.DAY_S),
     "reconnect_initial_s": (limits.MIN_INTERVAL_S, 3600),
     "reconnect_max_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
-    "health_check_interval_s": (limits.MIN_INTERVAL_S, 3600),
+    "health_check_interval_s": (0, 3600),  # 0: off; else at least MIN_INTERVAL_S (`validate`)
     "claim_batch": (1, 5000),
     "canary_interval_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
     "lease_check_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
@@ -227,8 +236,6 @@ _WHOLE = (
     "concurrency", "async_concurrency", "sentinel_count", "claim_batch", "driver_max_rows",
     "result_max_bytes",
 )  # fmt: skip
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
-"""loguru's levels, any case."""
 
 
 def parse_bind(value: str, option: str) -> tuple[str, int]:

@@ -69,7 +69,7 @@ def test_create_show_list_cancel(env: dict[str, str]) -> None:
         (["create", "Probe", "record", "x", "--at", "tomorrow"], "not an ISO 8601"),
         (["create", "Probe", "record", "x" * 600, "--ttl", "1"], "limit is 512"),
         (["show", "Probe", "record", "missing"], "no task"),
-        (["list", "--status", "weird"], "use one of"),
+        (["list", "--status", "weird"], "--status must be one of 'pending', 'running'"),
         (
             [
                 "--redis-url",

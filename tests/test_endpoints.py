@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import socket
+import socketserver
+import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from keyexpiry import Client, Settings
-from keyexpiry.bench.servers import wait_until
+from keyexpiry.bench.servers import MariaDBServer, wait_until
 from keyexpiry.errors import ConfigError
 from keyexpiry.ledger.store import TaskStatus
-from keyexpiry.ops.endpoints import parse_bind
+from keyexpiry.ops.endpoints import Endpoints, HttpLimits, parse_bind
 from keyexpiry.ops.metrics import NAMES
 from tests import sample_tasks
 from tests.conftest import MariaDBFactory, RedisFactory
@@ -24,10 +28,10 @@ from tests.ke import Running, make_settings, wait_status
 StartListener = Callable[[Settings], Running]
 
 
-def get(url: str) -> tuple[int, str]:
+def get(url: str, timeout_s: float = 5) -> tuple[int, str]:
     """Status and body of a GET (errors included)."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -158,3 +162,126 @@ def test_readyz_follows_the_ledger_going_away_and_back(
     assert m[("keyexpiry_ready", ())] == 0
     db.start()
     wait_until(lambda: get(f"{url}/readyz")[0] == 200, 15, message="readyz never came back")
+
+
+@pytest.fixture
+def ledger_to_hang(
+    mariadb_factory: MariaDBFactory, redis_url: str, tmp_path: Path, start_listener: StartListener
+) -> Iterator[tuple[Running, MariaDBServer]]:
+    """A listener on a MariaDB ledger of its own, for the test to `pause()` (SIGSTOP: its
+    connections stay open, nothing answers); resumed before the listener stops."""
+    db = mariadb_factory()
+    cfg = make_settings(redis_url, db.create_database("hung"), tmp_path)
+    sample_tasks.reset()
+    try:
+        yield start_listener(cfg), db
+    finally:
+        db.resume()
+
+
+def served(limits: HttpLimits, running: Running) -> Endpoints:
+    """Endpoints with `limits` for the running listener, serving (the test stops them)."""
+    endpoints = Endpoints(running.listener, "127.0.0.1:0", limits)
+    endpoints.start()
+    return endpoints
+
+
+def test_healthz_answers_while_a_hung_ledger_meets_a_storm_of_probes(
+    ledger_to_hang: tuple[Running, MariaDBServer],
+) -> None:
+    """Every /readyz and /metrics used to wait on the ledger with a lock held: behind a hung
+    database their threads piled up until each slot was taken, and every new connection,
+    /healthz's included, was refused."""
+    running, db = ledger_to_hang
+    endpoints = served(HttpLimits(max_connections=8), running)
+    url = f"http://127.0.0.1:{endpoints.port}"
+    assert get(f"{url}/readyz")[0] == 200
+    stop = threading.Event()
+    answers: list[int] = []
+    failures: list[str] = []
+
+    def storm(path: str) -> None:
+        while not stop.is_set():
+            try:
+                answers.append(get(url + path)[0])
+            except OSError as exc:
+                failures.append(f"{path}: {exc!r}")
+
+    db.pause()
+    storms = [threading.Thread(target=storm, args=(p,)) for p in ("/readyz", "/metrics") * 3]
+    for thread in storms:
+        thread.start()
+    try:
+        wait_until(lambda: "ledger:" in get(f"{url}/readyz")[1], 10, message="ledger not named")
+        for _ in range(20):
+            started = time.monotonic()
+            assert get(f"{url}/healthz") == (200, "ok\n")
+            assert time.monotonic() - started < 2.0, "/healthz was slow behind the ledger"
+        assert endpoints.busy <= endpoints.limits.max_connections
+    finally:
+        stop.set()
+        for thread in storms:
+            thread.join(30)
+        endpoints.stop()
+    assert not failures, failures[:5]  # no /readyz or /metrics was refused or left hanging
+    assert answers.count(503) > 10
+
+
+def test_healthz_has_a_slot_when_every_other_waits_on_the_ledger(
+    ledger_to_hang: tuple[Running, MariaDBServer],
+) -> None:
+    """Requests waiting on a ledger query (here up to 30 s) take every slot: /healthz gets one
+    kept for it, and a /metrics beyond the slots is answered 503 at once."""
+    running, db = ledger_to_hang
+    limits = HttpLimits(max_connections=2, ledger_wait_s=30)
+    endpoints = served(limits, running)
+    url = f"http://127.0.0.1:{endpoints.port}"
+    db.pause()
+    waiting: list[tuple[int, str]] = []
+    probes = [
+        threading.Thread(target=lambda: waiting.append(get(f"{url}/readyz", timeout_s=60)))
+        for _ in range(2)
+    ]
+    for thread in probes:
+        thread.start()
+    try:
+        wait_until(lambda: endpoints.busy == 2, 10, message="the probes never took the slots")
+        started = time.monotonic()
+        assert get(f"{url}/healthz") == (200, "ok\n")
+        assert get(f"{url}/metrics")[0] == 503
+        assert time.monotonic() - started < 2.0
+        assert not waiting, "the probes did not wait on the ledger"
+    finally:
+        db.resume()
+        for thread in probes:
+            thread.join(30)
+        endpoints.stop()
+    assert len(waiting) == 2  # answered once the ledger answered
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_connection_no_thread_can_serve_is_a_warning(
+    settings: Settings,
+    client: Client,
+    start_listener: StartListener,
+    log_lines: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread that cannot start is the listener's problem, not a client that went away."""
+    url = base(start_listener(settings.replace(http="127.0.0.1:0")))
+
+    def no_thread(*_: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(socketserver.ThreadingMixIn, "process_request", no_thread)
+    with pytest.raises(OSError):
+        get(f"{url}/healthz")
+    wait_until(
+        lambda: any("can't start new thread" in line for line in log_lines),
+        5,
+        message=f"not logged at INFO or above: {log_lines}",
+    )
+    line = next(line for line in log_lines if "can't start new thread" in line)
+    assert "WARNING" in line, line
+    monkeypatch.undo()
+    assert get(f"{url}/healthz") == (200, "ok\n")

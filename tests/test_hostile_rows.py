@@ -27,8 +27,12 @@ from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.clock import monotonic_s
-from keyexpiry.ledger.store import TaskStatus
-from keyexpiry.listener.maintenance import FAILING_AFTER
+from keyexpiry.errors import ConfigError, StoreError
+from keyexpiry.keys import sentinel_key
+from keyexpiry.ledger.store import Store, TaskStatus, make_engine
+from keyexpiry.limits import MIN_DUE_MS
+from keyexpiry.listener.maintenance import FAILING_AFTER, Maintenance
+from keyexpiry.listener.reconcile import PendingWalk, Reconciler
 from keyexpiry.log import _format
 from keyexpiry.threads import REPEAT_WINDOW_S, REPEATS, ThreadErrors
 from keyexpiry.web import create_app
@@ -139,6 +143,14 @@ BAD_ROWS = [
         shown={"method": "record", "problem": "but its key names 'Probe.record'"},
     ),
     BadRow(
+        "class-a-suffix-of-the-keys",
+        {"class_name": "robe"},
+        ends="dead",
+        listed=("MALFORMED: its class_name/method columns say 'robe.record'",),
+        reported=None,  # said when it is claimed: recorded dead, not runnable
+        shown={"class": "Probe", "problem": "but its key names 'Probe.record'"},
+    ),
+    BadRow(
         "control-characters",
         {
             "status": "dead",
@@ -157,7 +169,7 @@ BAD_ROWS = [
 def _insert(client: Client, bad: BadRow) -> str:
     """Write `bad` with raw SQL (no keyexpiry code between the values and the table)."""
     now = client.clock.now_ms()
-    key = f"Probe@record@{bad.name}"
+    key = f"{client.settings.key_prefix}Probe@record@{bad.name}"
     row: dict[str, Any] = {
         "task_key": key, "class_name": "Probe", "method": "record",
         "args": json.dumps([bad.name]), "status": "pending", "attempts": 0, "due_at_ms": now,
@@ -273,7 +285,7 @@ def _listen(
     wait_status(client, after, TaskStatus.DONE)
     row = client.store.get(key)
     assert row is not None and str(row.status) == bad.ends
-    if bad.name == "method-not-the-keys":
+    if bad.name in ("method-not-the-keys", "class-a-suffix-of-the-keys"):
         assert row.last_error is not None and "not runnable" in row.last_error
         assert key not in sample_tasks.CALLS  # neither the key's method nor the column's ran
     if bad.name == "running-no-lease":
@@ -285,6 +297,46 @@ def _listen(
     assert len(reports) <= 1, reports  # once per row, however many passes meet it
     for ln in log_lines:
         _no_raw_controls(ln)
+
+
+def test_a_key_prefix_is_no_part_of_a_rows_class(
+    settings: Settings, start_listener: StartListener
+) -> None:
+    """A prefix ending in a name character (`app_`): the class column must be the class after
+    the prefix, exactly; the prefix and class together, or a suffix of the class, are not."""
+    prefixed = settings.replace(key_prefix="app_")
+    sample_tasks.reset()
+    with Client(prefixed) as client:
+        sound = _insert(client, BadRow("sound", {}, ends="done"))
+        whole = _insert(client, BadRow("whole", {"class_name": "app_Probe"}, ends="dead"))
+        suffix = _insert(client, BadRow("suffix", {"class_name": "robe"}, ends="dead"))
+        other = _insert(client, BadRow("other", {"class_name": "Other"}, ends="dead"))
+        for key in (whole, suffix, other):
+            row = client.store.get(key)
+            assert row is not None and row.problem is not None, key
+            assert (row.class_name, row.method) == ("Probe", "record"), row
+            assert "its key names 'Probe.record'" in row.problem, row.problem
+        row = client.store.get(sound)
+        assert row is not None and row.problem is None and row.class_name == "Probe", row
+
+        start_listener(prefixed)
+        wait_status(client, sound, TaskStatus.DONE)
+        for key in (whole, suffix, other):
+            row = wait_status(client, key, TaskStatus.DEAD)
+            assert row.last_error is not None and "not runnable" in row.last_error, row
+            assert key not in sample_tasks.CALLS
+        assert sound in sample_tasks.CALLS
+
+
+def test_a_store_of_another_key_prefix_is_refused(settings: Settings) -> None:
+    """A `Store` handed to a client reads classes after its own prefix: it must be the
+    settings' one, or every row would read as malformed (or a malformed one as sound)."""
+    store = Store(make_engine("sqlite://"))
+    try:
+        with pytest.raises(ConfigError, match="the store's key_prefix '' is not the settings'"):
+            Client(settings.replace(key_prefix="app_"), store=store)
+    finally:
+        store.engine.dispose()
 
 
 def test_a_handlers_error_text_cannot_forge_a_log_line_or_reach_the_terminal(
@@ -326,6 +378,71 @@ def test_readyz_turns_false_while_a_loop_keeps_failing_and_true_once_it_works(
             conn.execute(text("ALTER TABLE time_limit_task_away RENAME TO time_limit_task"))
     wait_until(lambda: _get(url)[0] == 200, 15, message="readyz never came back")
     assert running.listener.failing() == []
+
+
+def test_readyz_stays_false_while_the_walk_keeps_failing_however_often_one_starts(
+    client: Client,
+    settings: Settings,
+    start_listener: StartListener,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each reconciliation's urgent part works, then every page of its walk over rows due
+    later fails: a sentinel publish (anyone can send one) starts another reconciliation, and
+    its working start must not count for the walk that keeps failing."""
+    listener = start_listener(settings).listener
+    starts: list[bool] = []
+    readiness: list[list[str]] = []
+    real_start, real_step = Reconciler.start, PendingWalk.step
+    real_walk_step = Maintenance._walk_step
+
+    def start(self: Reconciler, **kw: Any) -> PendingWalk:
+        walk = real_start(self, **kw)
+        starts.append(True)
+        return walk
+
+    def step(self: PendingWalk) -> bool:
+        if self._upto_ms is None:  # the walk over rows due later, not the urgent part
+            raise StoreError("a page of the walk failed")
+        return real_step(self)
+
+    def walk_step(self: Maintenance, backoff: Any) -> None:
+        readiness.append(self.failing())
+        real_walk_step(self, backoff)
+
+    monkeypatch.setattr(Reconciler, "start", start)
+    monkeypatch.setattr(PendingWalk, "step", step)
+    monkeypatch.setattr(Maintenance, "_walk_step", walk_step)
+    listener.request_reconcile("test")
+    wait_until(lambda: listener.failing() != [], 15, message="never failing")
+    readiness.clear()
+    for _ in range(4):
+        started = len(starts)
+        client.redis.publish("__keyevent@0__:expired", sentinel_key(1))
+        wait_until(lambda n=started: len(starts) > n, 10, message="no reconciliation started")
+        stepped = len(readiness)
+        wait_until(lambda n=stepped: len(readiness) > n + 1, 10, message="the walk stopped")
+    assert readiness and all(readiness), readiness
+    (why,) = listener.failing()
+    assert why.startswith("reconciliation walk failed"), why
+    assert "StoreError: a page of the walk failed" in why, why
+
+
+def test_a_row_due_before_1970_runs_without_a_lateness_of_centuries(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    """Run as due now, as an overdue row is: the handler sees the earliest due time keyexpiry
+    accepts (not -9e18), and no lateness of ~9e18 ms goes into the histogram, whose sum it
+    would swamp for good (a later run's milliseconds vanish beside 9e15 s)."""
+    key = _insert(client, BadRow("ancient", {"due_at_ms": -9 * 10**18}, ends="done"))
+    listener = start_listener(settings.replace(http="127.0.0.1:0")).listener
+    wait_status(client, key, TaskStatus.DONE)
+    assert sample_tasks.RUN_DUES[key] == [MIN_DUE_MS]
+    after = client.create(sample_tasks.Probe.record, "after-ancient", ttl_ms=20)
+    wait_status(client, after, TaskStatus.DONE)
+    (lateness,) = [f for f in listener.rt.metrics.collect() if f.name.startswith("keyexpiry_late")]
+    observed = {s.name: s.value for s in lateness.samples if s.labels["task"] == "Probe.record"}
+    assert observed["keyexpiry_lateness_seconds_count"] == 1, observed  # `after` only
+    assert 0 <= observed["keyexpiry_lateness_seconds_sum"] < 60, observed
 
 
 def test_a_thread_that_keeps_raising_is_failing_and_one_error_is_not() -> None:

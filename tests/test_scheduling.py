@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 
 from keyexpiry import Client, Did, IfExists, Scheduled, Settings, TaskRequest
 from keyexpiry.clock import ManualClock
@@ -215,6 +215,46 @@ def test_creates_of_a_key_in_one_millisecond_say_created_then_replaced(
     assert (row.created_at_ms, row.due_at_ms) == (frozen.now_ms(), frozen.now_ms() + 30_000)
     assert row.updated_at_ms == frozen.now_ms() + 2
     assert 0 < int(client.redis.pttl(got[0])) <= 30_000
+
+
+@pytest.mark.parametrize("path", ["single", "single-on-the-main-pool", "tx", "bulk"])
+@pytest.mark.parametrize("stored", [2**63 - 1, 2**63 - 2], ids=["bigint-max", "one-below"])
+def test_a_row_whose_updated_at_ms_is_the_largest_bigint_is_still_replaced(
+    client: Client, settings: Settings, monkeypatch: pytest.MonkeyPatch, path: str, stored: int
+) -> None:
+    """A row written outside keyexpiry with `updated_at_ms` at (or next to) BIGINT's largest
+    value: moving it on by a millisecond must not overflow (MariaDB: "BIGINT out of range",
+    the create fails; SQLite: the value turns REAL and the row reads back malformed). The
+    create resets it to the create's own time, or one past the row's where that still fits."""
+    if path == "single-on-the-main-pool":
+        monkeypatch.setattr(client.store, "_autocommit", None)
+    key = client.create("Probe.record", "late", ttl_s=30)
+    with client.store.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE time_limit_task SET updated_at_ms = :u WHERE task_key = :k"),
+            {"u": stored, "k": str(key)},
+        )
+    assert settings.database_url is not None
+    engine: Engine = create_engine(settings.database_url)
+    try:
+        if path == "bulk":
+            (again,) = client.create_many([TaskRequest("Probe.record", ("late",), ttl_s=30)])
+        elif path == "tx":
+            with engine.begin() as conn:
+                again = client.create("Probe.record", "late", ttl_s=30, tx=conn)
+        else:
+            again = client.create("Probe.record", "late", ttl_s=30)
+    finally:
+        engine.dispose()
+    assert again.outcome is Did.REPLACED
+    with client.store.engine.begin() as conn:
+        raw = conn.execute(
+            text("SELECT updated_at_ms FROM time_limit_task WHERE task_key = :k"), {"k": str(key)}
+        ).scalar_one()
+    assert type(raw) is int, repr(raw)  # not a REAL
+    row = client.store.get(key)
+    assert row is not None and row.problem is None and row.status is TaskStatus.PENDING, row
+    assert row.updated_at_ms == (2**63 - 1 if stored < 2**63 - 1 else row.created_at_ms), row
 
 
 def _plain(count: int) -> list[TaskRequest]:

@@ -122,8 +122,10 @@ class Prepared:
 class Ledger:
     """An engine on `time_limit_task` and the transaction every query runs in."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, key_prefix: str = "") -> None:
         self.engine = engine
+        self.key_prefix = key_prefix
+        """The task keys' prefix (`Settings.key_prefix`): a row's class is its key's after it."""
         self._upsert = upsert_statement(engine.dialect.name)
         # PyMySQL only: another driver keeps the bound upsert (and its own escaping).
         pymysql = engine.dialect.driver == "pymysql"

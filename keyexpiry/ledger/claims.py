@@ -227,8 +227,11 @@ class ClaimQueries(Ledger):
                 .all()
             }
             rows = list(found.values())
+        prefix = self.key_prefix
         return [
-            claimed_row_from_db(r, token=token, now_ms=now_ms, lease_until_ms=lease_until_ms)
+            claimed_row_from_db(
+                r, prefix, token=token, now_ms=now_ms, lease_until_ms=lease_until_ms
+            )
             for r in rows
         ]
 

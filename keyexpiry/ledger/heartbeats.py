@@ -129,4 +129,4 @@ class HeartbeatQueries(Ledger):
                 )
                 .limit(limit)
             ).all()
-        return [_row(r) for r in rows]
+        return [_row(r, self.key_prefix) for r in rows]

@@ -29,7 +29,7 @@ class LookupQueries(Ledger):
             rows = conn.execute(
                 select(T).where(T.c.status == status.value).order_by(*order).limit(limit)
             ).all()
-        return [_row(r) for r in rows]
+        return [_row(r, self.key_prefix) for r in rows]
 
     @retried_once
     def overdue_rows(self, *, now_ms: int, limit: int) -> list[TaskRow]:
@@ -41,7 +41,7 @@ class LookupQueries(Ledger):
                 .order_by(T.c.due_at_ms, T.c.task_key)
                 .limit(limit)
             ).all()
-        return [_row(r) for r in rows]
+        return [_row(r, self.key_prefix) for r in rows]
 
     @retried_once
     def retrying(self, *, limit: int) -> list[TaskRow]:
@@ -53,7 +53,7 @@ class LookupQueries(Ledger):
                 .order_by(T.c.due_at_ms, T.c.task_key)
                 .limit(limit)
             ).all()
-        return [_row(r) for r in rows]
+        return [_row(r, self.key_prefix) for r in rows]
 
     @retried_once
     def search(
@@ -66,7 +66,7 @@ class LookupQueries(Ledger):
             q = q.where(T.c.status == status.value)
         with self._tx() as conn:
             rows = conn.execute(q.order_by(T.c.task_key).limit(limit)).all()
-        return [_row(r) for r in rows]
+        return [_row(r, self.key_prefix) for r in rows]
 
     @retried_once
     def due_now(self, keys: list[str], *, now_ms: int) -> list[str]:

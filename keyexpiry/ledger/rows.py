@@ -15,7 +15,7 @@ from typing import Any
 from loguru import logger
 
 from keyexpiry import limits
-from keyexpiry.errors import StoreError
+from keyexpiry.errors import KeyExpiryError, StoreError
 from keyexpiry.keys import SEPARATOR, clip, shorten
 from keyexpiry.log import SaidOnce
 from keyexpiry.printable import printable
@@ -162,11 +162,27 @@ class Outcome:
     recorder only counts it."""
 
 
-UNREADABLE_MS = 2**63 - 1
+BIGINT_MAX = 2**63 - 1
+"""The largest value a BIGINT column holds (SQLite's INTEGER too: past it, a sum turns REAL)."""
+UNREADABLE_MS = BIGINT_MAX
 """What a time column that holds no time (text, a blob) reads as: after every real time, as
 SQLite sorts text after numbers (so lists merged in Python keep the database's order)."""
-_BIGINT = (-(2**63), 2**63 - 1)
-_STATUSES = {s.value: s for s in TaskStatus}
+_BIGINT = (-BIGINT_MAX - 1, BIGINT_MAX)
+_STATUSES: dict[object, TaskStatus] = {s.value: s for s in TaskStatus}
+
+
+def task_status(
+    value: object, error: type[KeyExpiryError], what: str = "status"
+) -> TaskStatus | None:
+    """The status `value` names: a `TaskStatus` or its name (None: any); `error`, saying
+    what `what` (the argument or option) allows, for anything else."""
+    if value is None or isinstance(value, TaskStatus):
+        return value
+    try:
+        return _STATUSES[value]
+    except (KeyError, TypeError):
+        allowed = ", ".join(repr(s.value) for s in TaskStatus)
+        raise error(f"{what} must be one of {allowed}, got {shorten(repr(value), 80)}") from None
 
 
 def stored_ms(value: object) -> int | None:
@@ -266,55 +282,85 @@ def _schedule(r: Any, key: str, attempts: int) -> tuple[float, ...] | None:
         return None
 
 
-_NAME_AT_END = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
+def _identity(key: str, class_name: str, method: str, prefix: str) -> tuple[str, str, str | None]:
+    """The class and method of the task `key` names under the key `prefix`, and the problem
+    when the columns that repeat them say otherwise. The key is what Redis announces and what
+    the claim resolves the handler from: it is the identity, the columns only repeat it (a row
+    whose columns differ is shown with the key's names, and refused when claimed: which one
+    its writer meant, nothing says).
 
-
-def _identity(key: str, class_name: str, method: str) -> tuple[str, str, str | None]:
-    """The class and method of the task `key` names, and the problem when the columns that
-    repeat them say otherwise. The key is what Redis announces and what the claim resolves
-    the handler from: it is the identity, the columns only repeat it (a row whose columns
-    differ is shown with the key's names, and refused when claimed: which one its writer
-    meant, nothing says).
-
-    Read without knowing the key prefix (a prefix holds no `@`): the key's method is its
-    second segment, its class the name that ends the first."""
+    The key's class is its first segment after the prefix (which holds no `@`), exactly: a
+    column naming a suffix of it (`voice` for `Invoice`) or the prefix with it (`app_Invoice`)
+    is not the key's class."""
     head, _, rest = key.partition(SEPARATOR)
     key_method = rest.partition(SEPARATOR)[0]
-    if key_method == method and class_name and head.endswith(class_name):
+    if key_method == method and class_name and head == prefix + class_name:
         return class_name, method, None
-    found = _NAME_AT_END.search(head)
-    key_class = found.group() if found else head
+    # A key outside the prefix (a row of another prefix, a hand edit) is shown whole.
+    key_class = head[len(prefix) :] if head.startswith(prefix) else head
     problem = (
         f"its class_name/method columns say {clip(f'{class_name}.{method}', 60)} but its key "
         f"names {clip(f'{key_class}.{key_method}', 60)} (the key is the task's identity)"
     )
+    if key_method == method and class_name and head.endswith(class_name):
+        # Most likely not a bad row but a reader without the writers' prefix (a shell without
+        # the listener's KEYEXPIRY_KEY_PREFIX): say so.
+        wrote = head[: len(head) - len(class_name)]
+        problem += f"; written with key prefix {clip(wrote, 40)!r}? is KEYEXPIRY_KEY_PREFIX set?"
     return key_class, key_method, problem
 
 
-def row_from_db(r: Any) -> TaskRow:
-    """A TaskRow from a result row, whatever was written into it: a row written outside
-    keyexpiry never makes this raise. What keyexpiry would not have written is said in
-    `problem` (the row is malformed), with stand-ins for what could not be read at all."""
-    reading = _Reading()
+def row_from_db(r: Any, prefix: str) -> TaskRow:
+    """A TaskRow from a result row of a ledger whose keys start with `prefix`, whatever was
+    written into it: a row written outside keyexpiry never makes this raise. What keyexpiry
+    would not have written is said in `problem` (the row is malformed), with stand-ins for
+    what could not be read at all."""
+    # Each value is checked inline first (rows are read by the thousand, all sound); a
+    # `_Reading` is made only for one of another type.
+    reading: _Reading | None = None
     status_text = r.status
     status: TaskStatus | str | None = _STATUSES.get(status_text)
     if status is None:
+        reading = _Reading()
         status = reading.text(status_text, "status")
         reading.problems.insert(
             0,
-            f"its status {clip(status, 40)} is none of {', '.join(_STATUSES)} (a case variant "
-            "of one is that one to a case-insensitive collation, and unseen on SQLite)",
+            f"its status {clip(status, 40)} is none of {', '.join(s.value for s in TaskStatus)} "
+            "(a case variant of one is that one to a case-insensitive collation, and unseen on "
+            "SQLite)",
         )
+    updated_at_ms, started_at_ms = r.updated_at_ms, r.started_at_ms
+    finished_at_ms, claimed_by = r.finished_at_ms, r.claimed_by
+    lease_until_ms, result_json = r.lease_until_ms, r.result
+    if type(updated_at_ms) is not int:
+        reading = reading or _Reading()
+        updated_at_ms = reading.ms(updated_at_ms, "updated_at_ms")
+    if started_at_ms is not None and type(started_at_ms) is not int:
+        reading = reading or _Reading()
+        started_at_ms = reading.maybe_ms(started_at_ms, "started_at_ms")
+    if finished_at_ms is not None and type(finished_at_ms) is not int:
+        reading = reading or _Reading()
+        finished_at_ms = reading.maybe_ms(finished_at_ms, "finished_at_ms")
+    if claimed_by is not None and type(claimed_by) is not str:
+        reading = reading or _Reading()
+        claimed_by = reading.maybe_text(claimed_by, "claimed_by")
+    if lease_until_ms is not None and type(lease_until_ms) is not int:
+        reading = reading or _Reading()
+        lease_until_ms = reading.maybe_ms(lease_until_ms, "lease_until_ms")
+    if result_json is not None and type(result_json) is not str:
+        reading = reading or _Reading()
+        result_json = reading.maybe_text(result_json, "result")
     return _task_row(
         r,
         reading,
+        prefix,
         status=status,
-        updated_at_ms=reading.ms(r.updated_at_ms, "updated_at_ms"),
-        started_at_ms=reading.maybe_ms(r.started_at_ms, "started_at_ms"),
-        finished_at_ms=reading.maybe_ms(r.finished_at_ms, "finished_at_ms"),
-        claimed_by=reading.maybe_text(r.claimed_by, "claimed_by"),
-        lease_until_ms=reading.maybe_ms(r.lease_until_ms, "lease_until_ms"),
-        result_json=reading.maybe_text(r.result, "result"),
+        updated_at_ms=updated_at_ms,
+        started_at_ms=started_at_ms,
+        finished_at_ms=finished_at_ms,
+        claimed_by=claimed_by,
+        lease_until_ms=lease_until_ms,
+        result_json=result_json,
     )
 
 
@@ -329,13 +375,16 @@ CLAIM_SKIPS = frozenset({"result"})
 (a row becomes pending again only by a create, which clears it)."""
 
 
-def claimed_row_from_db(r: Any, *, token: str, now_ms: int, lease_until_ms: int) -> TaskRow:
-    """A TaskRow from a row the claim under `token` at `now_ms` has just set running, read
-    without the columns in `CLAIM_SETS`: they hold what that claim wrote. A token names one
-    claim, so every row held under it was taken with the same times."""
+def claimed_row_from_db(
+    r: Any, prefix: str, *, token: str, now_ms: int, lease_until_ms: int
+) -> TaskRow:
+    """A TaskRow from a row (keys under `prefix`) the claim under `token` at `now_ms` has just
+    set running, read without the columns in `CLAIM_SETS`: they hold what that claim wrote. A
+    token names one claim, so every row held under it was taken with the same times."""
     return _task_row(
         r,
-        _Reading(),
+        None,
+        prefix,
         status=TaskStatus.RUNNING,
         updated_at_ms=now_ms,
         started_at_ms=now_ms,
@@ -348,7 +397,8 @@ def claimed_row_from_db(r: Any, *, token: str, now_ms: int, lease_until_ms: int)
 
 def _task_row(
     r: Any,
-    reading: _Reading,
+    reading: _Reading | None,
+    prefix: str,
     *,
     status: TaskStatus | str,
     updated_at_ms: int,
@@ -359,34 +409,51 @@ def _task_row(
     result_json: str | None = None,
 ) -> TaskRow:
     # Each value is checked inline first (the claim reads thousands of rows a second, all
-    # sound); only one of another type goes through `reading`.
+    # sound); only one of another type goes through a `_Reading`, made for it: a sound row
+    # makes none.
     key, class_name, method, args_text = r.task_key, r.class_name, r.method, r.args
     if type(key) is not str:
+        reading = reading or _Reading()
         key = reading.text(key, "task_key")
     if type(class_name) is not str:
+        reading = reading or _Reading()
         class_name = reading.text(class_name, "class_name")
     if type(method) is not str:
+        reading = reading or _Reading()
         method = reading.text(method, "method")
     if type(args_text) is not str:
+        reading = reading or _Reading()
         args_text = reading.text(args_text, "args")
     attempts, due_at_ms, created_at_ms = r.attempts, r.due_at_ms, r.created_at_ms
     if type(attempts) is not int:
+        reading = reading or _Reading()
         attempts = reading.ms(attempts, "attempts")
     if type(due_at_ms) is not int:
+        reading = reading or _Reading()
         due_at_ms = reading.ms(due_at_ms, "due_at_ms")
     if type(created_at_ms) is not int:
+        reading = reading or _Reading()
         created_at_ms = reading.ms(created_at_ms, "created_at_ms")
     last_error, tag = r.last_error, r.tag
     if last_error is not None and type(last_error) is not str:
+        reading = reading or _Reading()
         last_error = reading.maybe_text(last_error, "last_error")
     if tag is not None and type(tag) is not str:
+        reading = reading or _Reading()
         tag = reading.maybe_text(tag, "tag")
     args, args_problem = _args(args_text)
     if args_problem is not None:
+        reading = reading or _Reading()
         reading.problems.append(args_problem)
-    class_name, method, mismatch = _identity(key, class_name, method)
+    class_name, method, mismatch = _identity(key, class_name, method, prefix)
     if mismatch is not None:
+        reading = reading or _Reading()
         reading.problems.append(mismatch)
+    problem: str | None = None
+    unreadable: frozenset[str] = frozenset()
+    if reading is not None:
+        problem = "; ".join(reading.problems) if reading.problems else None
+        unreadable = frozenset(reading.unreadable)
     return TaskRow(
         id=r.id,
         key=key,
@@ -404,10 +471,10 @@ def _task_row(
         claimed_by=claimed_by,
         lease_until_ms=lease_until_ms,
         last_error=last_error,
-        problem="; ".join(reading.problems) if reading.problems else None,
+        problem=problem,
         tag=tag,
         result_json=result_json,
-        unreadable=frozenset(reading.unreadable) if reading.unreadable else frozenset(),
+        unreadable=unreadable,
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import ColumnElement, Text, and_, func, literal, or_, select, update
 
 from keyexpiry.ledger.base import Ledger, retried_once
-from keyexpiry.ledger.rows import UNREADABLE_MS, TaskRow, TaskStatus, stored_ms
+from keyexpiry.ledger.rows import BIGINT_MAX, UNREADABLE_MS, TaskRow, TaskStatus, stored_ms
 from keyexpiry.ledger.rows import row_from_db as _row
 from keyexpiry.ledger.table import T, with_earlier_errors
 
@@ -37,14 +37,12 @@ KEYS_START: tuple[Any, str] = (None, "")
 """The position before every pending key in `pending_keys_page`'s order, whatever is stored
 (a due time of -9e18, below any bound that could be written here, is walked too)."""
 
-_MAX_BIGINT = 2**63 - 1
-
 
 def _no_number(column: ColumnElement[Any]) -> ColumnElement[bool]:
     """True where a BIGINT column holds no number in range: only SQLite keeps such values
     (text and blobs sort after every number there); on MySQL/MariaDB it matches nothing. A
     range of the column's index, unlike a type test."""
-    return column > _MAX_BIGINT
+    return column > BIGINT_MAX
 
 
 def _pending_key(k: Any, d: Any, a: Any) -> PendingKey:
@@ -91,30 +89,24 @@ class ScanQueries(Ledger):
     @retried_once
     def upcoming(self, *, after_ms: int, upto_ms: int, limit: int) -> list[tuple[str, int]]:
         """(key, due) of pending rows due in (after_ms, upto_ms], earliest first."""
-        with self._tx() as conn:
-            rows = conn.execute(
-                select(T.c.task_key, T.c.due_at_ms)
-                .where(
-                    T.c.status == TaskStatus.PENDING.value,
-                    T.c.due_at_ms > after_ms,
-                    T.c.due_at_ms <= upto_ms,
-                )
-                .order_by(T.c.due_at_ms)
-                .limit(limit)
-            ).all()
-        return _due_keys(rows)
+        return self._due(after_ms, upto_ms, limit)
 
     @retried_once
     def overdue(self, *, now_ms: int, limit: int) -> list[tuple[str, int]]:
         """(key, due) of pending rows due at or before `now_ms`, earliest first: however early
         (a row due at -9e18 is overdue, not out of sight)."""
+        return self._due(None, now_ms, limit)
+
+    def _due(self, after_ms: int | None, upto_ms: int, limit: int) -> list[tuple[str, int]]:
+        """(key, due) of pending rows due after `after_ms` (None: however early) and at or
+        before `upto_ms`, earliest first."""
+        q = select(T.c.task_key, T.c.due_at_ms).where(
+            T.c.status == TaskStatus.PENDING.value, T.c.due_at_ms <= upto_ms
+        )
+        if after_ms is not None:
+            q = q.where(T.c.due_at_ms > after_ms)
         with self._tx() as conn:
-            rows = conn.execute(
-                select(T.c.task_key, T.c.due_at_ms)
-                .where(T.c.status == TaskStatus.PENDING.value, T.c.due_at_ms <= now_ms)
-                .order_by(T.c.due_at_ms)
-                .limit(limit)
-            ).all()
+            rows = conn.execute(q.order_by(T.c.due_at_ms).limit(limit)).all()
         return _due_keys(rows)
 
     @retried_once
@@ -174,7 +166,7 @@ class ScanQueries(Ledger):
                     rows.extend(
                         conn.execute(select(T).where(running, lost).limit(limit - len(rows)))
                     )
-        return [_row(r) for r in rows]
+        return [_row(r, self.key_prefix) for r in rows]
 
     @retried_once
     def unknown_status_rows(self, limit: int = 100) -> list[TaskRow]:
@@ -185,7 +177,7 @@ class ScanQueries(Ledger):
             rows = conn.execute(
                 select(T).where(unknown_status()).order_by(T.c.id).limit(limit)
             ).all()
-        return [_row(r) for r in rows]
+        return [_row(r, self.key_prefix) for r in rows]
 
     @retried_once
     def requeue_lost(

@@ -380,7 +380,7 @@ class Store(
         """The row for `key`, or None."""
         with self._tx() as conn:
             r = conn.execute(select(T).where(T.c.task_key == key)).first()
-        return _row(r) if r is not None else None
+        return _row(r, self.key_prefix) if r is not None else None
 
     @retried_once
     def get_many(self, keys: Sequence[str]) -> dict[str, TaskRow]:
@@ -389,7 +389,8 @@ class Store(
             return {}
         with self._tx() as conn:
             rows = conn.execute(select(T).where(T.c.task_key.in_(list(keys)))).all()
-        return {row.key: row for row in map(_row, rows)}
+        prefix = self.key_prefix
+        return {row.key: row for row in (_row(r, prefix) for r in rows)}
 
     @retried_once
     def list_tasks(
@@ -408,12 +409,12 @@ class Store(
                 q = q.where(T.c.status == status.value)
             with self._tx() as conn:
                 rows = conn.execute(q.order_by(T.c.due_at_ms, T.c.id).limit(limit)).all()
-            return [_row(r) for r in rows]
+            return [_row(r, self.key_prefix) for r in rows]
         statuses = [status] if status is not None else list(TaskStatus)
         with self._tx() as conn:
             runs = [
                 [
-                    _row(r)
+                    _row(r, self.key_prefix)
                     for r in conn.execute(
                         select(T)
                         .where(T.c.status == s.value)
@@ -426,7 +427,7 @@ class Store(
             if status is None:
                 runs.append(
                     [
-                        _row(r)
+                        _row(r, self.key_prefix)
                         for r in conn.execute(
                             select(T)
                             .where(unknown_status())

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    and_,
     case,
     create_engine,
     event,
@@ -30,7 +31,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.errors import StoreError
-from keyexpiry.ledger.rows import NewTask, TaskStatus, args_json, schedule_json
+from keyexpiry.ledger.rows import BIGINT_MAX, NewTask, TaskStatus, args_json, schedule_json
 from keyexpiry.masking import mask_url, redact
 from keyexpiry.tags import TAG_MAX_CHARS
 
@@ -263,16 +264,23 @@ def _kept_tag(new: Any) -> Any:
     return func.coalesce(new, T.c.tag)
 
 
-def _moved_on(greatest: Any, new: Any) -> Any:
+def _moved_on(new: Any) -> Any:
     """`updated_at_ms` of a row a create resets: the create's time, or a millisecond past the
-    row's own when that is not earlier (`greatest`: the dialect's two-argument maximum).
+    row's own when that is not earlier.
 
     So a reset always changes the row. Two creates of a key in one millisecond would otherwise
     write the very values the row holds, and MySQL/MariaDB count such a row 1 in affected rows
     with found rows, as they count an inserted row (0 without): a create on the main pool
     (every bulk create) took the reset for an insert. Changed, it counts 2 either way.
+
+    A CASE, not `greatest(new, updated_at_ms + 1)`: a row written outside keyexpiry may hold
+    BIGINT's largest value there, and adding to it fails the create on MySQL/MariaDB ("BIGINT
+    out of range") and turns the value REAL on SQLite. Such a row (and one whose time is no
+    number at all: SQLite compares text above every number) takes the create's time.
     """
-    return greatest(new, T.c.updated_at_ms + literal_column("1"))
+    moved = T.c.updated_at_ms + literal_column("1")
+    past_ours = and_(T.c.updated_at_ms >= new, T.c.updated_at_ms < literal_column(str(BIGINT_MAX)))
+    return case((past_ours, moved), else_=new)
 
 
 _FRESH = {
@@ -295,7 +303,7 @@ def upsert_statement(dialect: str) -> Any:
             set_={
                 **{c: ins.excluded[c] for c in _RESET_ON_CREATE},
                 # The same rows on both ledgers (SQLite tells inserts apart by id).
-                "updated_at_ms": _moved_on(func.max, ins.excluded.updated_at_ms),
+                "updated_at_ms": _moved_on(ins.excluded.updated_at_ms),
                 "tag": _kept_tag(ins.excluded.tag),
             },
         )
@@ -306,7 +314,7 @@ def upsert_statement(dialect: str) -> Any:
     return mins.on_duplicate_key_update(
         {
             **{c: _FRESH.get(c, mins.inserted[c]) for c in _RESET_ON_CREATE},
-            "updated_at_ms": _moved_on(func.greatest, mins.inserted.updated_at_ms),
+            "updated_at_ms": _moved_on(mins.inserted.updated_at_ms),
             "tag": _kept_tag(mins.inserted.tag),
         }
     )

@@ -31,9 +31,13 @@ _WALK_BUSY_WAIT_S = 0.02
 _EXPECTED = (StoreError, redis.RedisError, OSError)
 """Outages: logged in one line and retried. Anything else is a bug: traceback and count."""
 FAILING_AFTER = 3
-"""Failures in a row of the reconciliation or of the self-check that make the listener not
-ready: each is retried (with backoff, or at the next second), but one that fails every time,
-whatever the reason, means missed events are no longer repaired."""
+"""Failures in a row of a duty (the reconciliation's start, its walk, the self-check) that make
+the listener not ready: each is retried (with backoff, or at the next second), but one that
+fails every time, whatever the reason, means missed events are no longer repaired."""
+_START = "reconciliation"
+_WALK = "reconciliation walk"
+"""The two halves of a reconciliation, counted apart: a start that works (asked for again by
+every sentinel, which anyone can publish) says nothing of a walk that fails every page."""
 
 
 class Maintenance:
@@ -71,7 +75,7 @@ class Maintenance:
         """Finished rows this listener deleted (retention)."""
         self._last_prune_s = monotonic_s()
         self._failures: dict[str, tuple[int, str]] = {}
-        """Failures in a row of each duty ("reconciliation", "self-check") and the last one."""
+        """Failures in a row of each duty (`_START`, `_WALK`, "self-check") and the last one."""
 
     def failing(self) -> list[str]:
         """Why the loop is not doing its job: each duty that failed `FAILING_AFTER` times in
@@ -124,6 +128,8 @@ class Maintenance:
         """
         settings = self.rt.settings
         backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
+        # Its own: a start that works must not cut short the waits of a walk that fails.
+        walk_backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
         check_every_s = min(1.0, settings.lease_check_s)
         self._health.started(monotonic_s())
         self._last_check_s = monotonic_s()
@@ -131,7 +137,7 @@ class Maintenance:
             if self._walk is not None and not self._wanted.is_set():
                 if monotonic_s() - self._last_check_s >= check_every_s:
                     self._check()
-                self._walk_step(backoff)
+                self._walk_step(walk_backoff)
                 continue
             if not self._wanted.wait(check_every_s):
                 self._idle.set()
@@ -148,7 +154,7 @@ class Maintenance:
                 walk = self._reconciler.start(page_rows=_WALK_PAGE_ROWS)
                 self._health.regenerate_sentinels_if_needed()
                 backoff.reset()
-                self._worked("reconciliation")
+                self._worked(_START)
             except redis.ReadOnlyError as exc:
                 # Overdue rows were handed to the claimer before the failing write; the
                 # reconnect once Redis is a master again reconciles (and re-arms) in full.
@@ -157,7 +163,7 @@ class Maintenance:
                     self._idle.set()
                 continue
             except Exception as exc:
-                self._stop.wait(self._failed(exc, backoff))
+                self._stop.wait(self._failed(_START, exc, backoff))
                 self._wanted.set()
                 continue
             report = walk.report
@@ -169,16 +175,16 @@ class Maintenance:
             elif self._next_walk is None:
                 self._next_walk = walk
 
-    def _failed(self, exc: Exception, backoff: Backoff) -> float:
-        """Log a failed reconciliation (a traceback only for the unexpected) and return how
-        long to wait before trying again."""
+    def _failed(self, duty: str, exc: Exception, backoff: Backoff) -> float:
+        """Log a failed `duty` (`_START` or `_WALK`; a traceback only for the unexpected) and
+        return how long to wait before trying again."""
         wait_s = backoff.next_s()
-        self._failed_again("reconciliation", exc)
+        self._failed_again(duty, exc)
         if isinstance(exc, _EXPECTED):
-            logger.error("reconciliation failed ({}); retrying in {:.1f} s", exc, wait_s)
+            logger.error("{} failed ({}); retrying in {:.1f} s", duty, exc, wait_s)
         else:
             self._errors.add("reconcile")
-            logger.exception("reconciliation failed; retrying in {:.1f} s", wait_s)
+            logger.exception("{} failed; retrying in {:.1f} s", duty, wait_s)
         return wait_s
 
     def _walk_step(self, backoff: Backoff) -> None:
@@ -199,10 +205,10 @@ class Maintenance:
             return
         except Exception as exc:
             # After the pause the same page is read again.
-            self._wanted.wait(self._failed(exc, backoff))
+            self._wanted.wait(self._failed(_WALK, exc, backoff))
             return
         backoff.reset()
-        self._worked("reconciliation")
+        self._worked(_WALK)
         if more:
             # A request (or stop) ends the rest early: its urgent part must not wait.
             self._wanted.wait((monotonic_s() - began_s) * _WALK_PACE)

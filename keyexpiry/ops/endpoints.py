@@ -1,6 +1,8 @@
 """The listener's HTTP endpoints (`listen --http HOST:PORT`): Prometheus `/metrics`, `/healthz`
 (the process answers) and `/readyz` (it can do its job now: subscribed, events arriving, the
-ledger reachable). A thread of its own, so a scrape never waits on the listener's hot path."""
+ledger reachable). A thread of its own, so a scrape never waits on the listener's hot path; a
+request waits on the ledger a bounded time, and `/healthz`, which does no I/O, has slots kept
+for it."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import ConfigError
-from keyexpiry.ops.metrics import LedgerCollector, ListenerCollector
+from keyexpiry.ops.metrics import LatestAnswer, LedgerCollector, ListenerCollector
 from keyexpiry.ops.observed import ObservedListener
 from keyexpiry.settings import parse_bind as _parse_bind
 
@@ -41,6 +43,13 @@ class HttpLimits:
     """Connections served at once (a scraper and a few probes need a handful). Lowered to a
     sixteenth of RLIMIT_NOFILE when that is smaller: the listener's own Redis and ledger
     connections must always find a descriptor."""
+    kept_for_healthz: int = 2
+    """Connections accepted beyond `max_connections`. At most `max_connections` are busy
+    answering `/readyz` or `/metrics` (others get 503 at once); `/healthz` does no I/O and is
+    always answered, so a liveness probe gets in while every other slot is busy."""
+    ledger_wait_s: float = 1.0
+    """How long a `/readyz` or `/metrics` waits for a ledger query under way (counted from when
+    it started); past that it answers without it (not ready; the last counts)."""
     head_timeout_s: float = 5.0
     """The whole request head (request line and headers) must arrive within this."""
     io_timeout_s: float = 5.0
@@ -71,11 +80,14 @@ def parse_bind(value: str) -> tuple[str, int]:
 class Readiness:
     """Whether the listener can run due tasks now, and if not, why (one line per reason)."""
 
-    def __init__(self, listener: ObservedListener) -> None:
+    def __init__(self, listener: ObservedListener, ledger_wait_s: float = 1.0) -> None:
         self._listener = listener
-        self._lock = threading.Lock()
-        self._ledger_checked_s = -1e9
-        self._ledger_problem: str | None = None
+        self._probe = LatestAnswer(
+            self._ping,
+            name="http-ledger-probe",
+            max_age_s=_LEDGER_PROBE_EVERY_S,
+            wait_s=ledger_wait_s,
+        )
 
     def reasons(self) -> list[str]:
         """Empty when ready."""
@@ -100,15 +112,14 @@ class Readiness:
         return not self.reasons()
 
     def _ledger(self) -> str | None:
-        with self._lock:
-            if monotonic_s() - self._ledger_checked_s >= _LEDGER_PROBE_EVERY_S:
-                try:
-                    self._listener.store.ping()
-                    self._ledger_problem = None
-                except Exception as exc:
-                    self._ledger_problem = str(exc).splitlines()[0][:300]
-                self._ledger_checked_s = monotonic_s()
-            return self._ledger_problem
+        answer = self._probe.get()
+        if answer.running_s is not None and answer.running_s >= self._probe.wait_s:
+            return f"no answer for {answer.running_s:.1f} s"
+        return answer.error
+
+    def _ping(self) -> bool:
+        self._listener.store.ping()
+        return True
 
 
 class Endpoints:
@@ -119,7 +130,7 @@ class Endpoints:
     ) -> None:
         self.host, self.port = parse_bind(bind)
         self.limits = limits or HttpLimits()
-        self.readiness = Readiness(listener)
+        self.readiness = Readiness(listener, self.limits.ledger_wait_s)
         self.registry = CollectorRegistry()
         self.registry.register(ListenerCollector(listener, self.readiness.ready))
         self.registry.register(
@@ -127,6 +138,7 @@ class Endpoints:
                 listener.store,
                 listener.clock.now_ms,
                 live_window_s=listener.settings.takeover_after_s,
+                wait_s=self.limits.ledger_wait_s,
             )
         )
         # The run metrics live on the runtime (the workers observe them there).
@@ -158,11 +170,18 @@ class Endpoints:
         )
         self._thread.start()
         logger.info(
-            "serving /metrics, /healthz and /readyz on http://{}:{} (at most {} connections)",
+            "serving /metrics, /healthz and /readyz on http://{}:{} (at most {} connections, "
+            "{} more for /healthz)",
             self.host,
             self.port,
             server.slots.cap,
+            server.slots.kept,
         )
+
+    @property
+    def busy(self) -> int:
+        """Connections being answered now, `/healthz` aside (at most the connection cap)."""
+        return 0 if self._server is None else self._server.slots.busy()
 
     def stop(self) -> None:
         """Stop serving (idempotent); connections still open are closed."""
@@ -240,43 +259,65 @@ class _Connection:
     sock: socket.socket
     opened_s: float
     reading_head: bool = True
+    busy: bool = False  # answering something other than /healthz (which needs no I/O)
     evicted: bool = False
 
 
 class _Slots:
-    """The connections being served, at most `cap` at once (twice that counting the evicted,
-    whose threads are ending): a bound on the port's descriptors and threads."""
+    """The connections being served: at most `cap` busy answering, and `kept` more accepted for
+    `/healthz`; twice their sum counting the evicted, whose threads are ending. A bound on the
+    port's descriptors and threads."""
 
     def __init__(self, limits: HttpLimits) -> None:
         self.limits = limits
         self.cap = limits.connection_cap()
+        self.kept = max(1, limits.kept_for_healthz)
         self._lock = threading.Lock()
         self._open: dict[int, _Connection] = {}
 
     def admit(self, sock: socket.socket) -> bool:
         """Take a slot for a new connection. When all are taken, the oldest connection still
         sending its head is closed to make room (half-finished requests cannot starve a
-        prompt one); when every slot is busy answering, the newcomer is refused."""
+        prompt one); when every slot is answering, the newcomer is refused. At most `cap` of
+        them are busy (`head_read`), so this happens only while the kept ones answer at once."""
         now = monotonic_s()
+        total = self.cap + self.kept
         with self._lock:
             self._reap_locked(now)
             live = [c for c in self._open.values() if not c.evicted]
-            if len(live) >= self.cap:
+            if len(live) >= total:
                 idle = [c for c in live if c.reading_head]
                 if not idle:
                     return False
                 self._evict(min(idle, key=lambda c: c.opened_s))
-            if len(self._open) >= 2 * self.cap:
+            if len(self._open) >= 2 * total:
                 return False
             self._open[id(sock)] = _Connection(sock, now)
             return True
 
-    def head_read(self, sock: socket.socket) -> None:
-        """The connection's request head is in: from now it is served, not evicted."""
+    def head_read(self, sock: socket.socket, path: str | None) -> bool:
+        """The connection's request head is in, asking for `path` (None: refused, answered at
+        once): from now it is answered, not evicted. False when it asks for anything but
+        `/healthz` while `cap` connections are busy already: it is to be refused at once."""
         with self._lock:
             conn = self._open.get(id(sock))
-            if conn is not None:
-                conn.reading_head = False
+            if conn is None:
+                return True
+            conn.reading_head = False
+            if path is None or path == "/healthz":
+                return True
+            if self._busy_locked() >= self.cap:
+                return False
+            conn.busy = True
+            return True
+
+    def busy(self) -> int:
+        """Connections answering something other than `/healthz`."""
+        with self._lock:
+            return self._busy_locked()
+
+    def _busy_locked(self) -> int:
+        return sum(1 for c in self._open.values() if c.busy and not c.evicted)
 
     def release(self, sock: socket.socket) -> None:
         """The connection's thread is done with it."""
@@ -321,6 +362,7 @@ class _BoundedServer(ThreadingWSGIServer):
     def configure(self, limits: HttpLimits) -> None:
         self.slots = _Slots(limits)
         self._accept_warned_s = -1e9
+        self._thread_warned_s = -1e9
 
     def get_request(self) -> tuple[socket.socket, Any]:
         try:
@@ -339,8 +381,22 @@ class _BoundedServer(ThreadingWSGIServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request(request, client_address)
+        except Exception as exc:
+            # No thread started (threads or memory ran out): the listener's problem, not the
+            # client's, and nothing else will release the slot or close the connection.
+            self.slots.release(request)
+            self.shutdown_request(request)
+            if monotonic_s() - self._thread_warned_s > 60:
+                self._thread_warned_s = monotonic_s()
+                logger.warning(
+                    "--http: cannot start a thread to answer {}: {}: {}; connection closed "
+                    "(said once a minute)",
+                    client_address,
+                    type(exc).__name__,
+                    exc,
+                )
         except BaseException:
-            self.slots.release(request)  # no thread started: nothing else will
+            self.slots.release(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -371,12 +427,18 @@ class _BoundedHandler(WSGIRequestHandler):
         self.rfile = _CappedReader(self.rfile, self.server.slots.limits.max_head_bytes)
 
     def parse_request(self) -> bool:
-        parsed = super().parse_request()
-        self.server.slots.head_read(self.connection)
-        if parsed and isinstance(self.rfile, _CappedReader) and self.rfile.exhausted:
+        slots = self.server.slots
+        if not super().parse_request():  # an error was sent
+            slots.head_read(self.connection, None)
+            return False
+        if isinstance(self.rfile, _CappedReader) and self.rfile.exhausted:
+            slots.head_read(self.connection, None)
             self.send_error(431, "Request Header Fields Too Large")
             return False
-        return parsed
+        if not slots.head_read(self.connection, self.path.partition("?")[0]):
+            self.send_error(503, "Busy", "every connection is in use: try again shortly")
+            return False
+        return True
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -1,15 +1,17 @@
 """Prometheus metrics: what the listener's own threads observe (runs, lateness, handler time),
 what its parts already count (read at scrape time), and what the ledger holds (read with cheap
-indexed queries, cached, on the scraping thread, never on the listener's hot path)."""
+indexed queries, cached, one at a time on a thread of their own, never on the listener's hot
+path; a scrape waits for them a bounded time)."""
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -59,6 +61,76 @@ NAMES = (
 """Every metric name `/metrics` serves (deploy/'s alert rules and dashboard use only these)."""
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Answer(Generic[T]):
+    """What `LatestAnswer.get()` knows."""
+
+    value: T | None
+    """The last query's result; None when it failed (or none has finished)."""
+    error: str | None
+    """Why the last query failed (its first line); None when it answered."""
+    running_s: float | None
+    """How long the query under way has been running; None when none is."""
+
+
+class LatestAnswer(Generic[T]):
+    """A query many request threads want, on a database that may hang: it runs one at a time,
+    on a thread of its own, and its result is reused for `max_age_s`. A caller waits for the
+    query under way at most until `wait_s` after it started, then takes the last result: a
+    hung database holds one thread, never one per request, and no request waits longer."""
+
+    def __init__(
+        self, query: Callable[[], T], *, name: str, max_age_s: float, wait_s: float
+    ) -> None:
+        self._query = query
+        self._name = name
+        self._max_age_s = max_age_s
+        self.wait_s = wait_s
+        self._lock = threading.Lock()  # never held while the query runs
+        self._value: T | None = None
+        self._error: str | None = None
+        self._answered_s = -math.inf
+        self._started_s: float | None = None
+        self._done = threading.Event()
+
+    def get(self) -> Answer[T]:
+        """The last result, after starting a query when it is older than `max_age_s` and
+        waiting for the one under way (at most until `wait_s` after it started)."""
+        with self._lock:
+            now = monotonic_s()
+            if self._started_s is None and now - self._answered_s >= self._max_age_s:
+                self._start(now)
+            started, done = self._started_s, self._done
+        if started is not None:
+            done.wait(max(0.0, started + self.wait_s - monotonic_s()))
+        with self._lock:
+            running = None if self._started_s is None else monotonic_s() - self._started_s
+            return Answer(self._value, self._error, running)
+
+    def _start(self, now: float) -> None:
+        self._started_s, self._done = now, threading.Event()
+        try:
+            threading.Thread(target=self._run, name=self._name, daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had: say so, try again next time
+            self._finish(None, f"cannot start a thread for the query: {exc}")
+
+    def _run(self) -> None:
+        try:
+            value, error = self._query(), None
+        except Exception as exc:
+            value, error = None, (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        with self._lock:
+            self._finish(value, error)
+
+    def _finish(self, value: T | None, error: str | None) -> None:
+        self._value, self._error = value, error
+        self._answered_s, self._started_s = monotonic_s(), None
+        self._done.set()
+
+
 @dataclass
 class LedgerFigures:
     """What the ledger holds now (one scrape's worth)."""
@@ -74,7 +146,9 @@ class LedgerCollector(Collector):
     """Task counts from the ledger's (status, due_at_ms, …) index, at most every `min_interval_s`.
 
     Only pending, running and dead are counted: done and cancelled rows are the bulk of a large
-    ledger and counting them would walk millions of index entries per scrape.
+    ledger and counting them would walk millions of index entries per scrape. The counts are
+    read by `LatestAnswer`: a scrape waits for them at most `wait_s`, then serves the last ones,
+    and none once a read has gone unanswered for `stale_after_s`.
     """
 
     def __init__(
@@ -84,44 +158,41 @@ class LedgerCollector(Collector):
         *,
         live_window_s: float = 5.0,
         min_interval_s: float = 5.0,
+        wait_s: float = 1.0,
+        stale_after_s: float = 30.0,
     ) -> None:
         self._store = store
         self._live_window_ms = int(live_window_s * 1000)
         self._now_ms = now_ms
-        self._min_interval_s = min_interval_s
-        self._lock = threading.Lock()
-        self._cached: LedgerFigures | None = None
-        self._cached_at_s = -1e9
+        self._stale_after_s = stale_after_s
+        self._latest = LatestAnswer(
+            self._read, name="http-ledger-counts", max_age_s=min_interval_s, wait_s=wait_s
+        )
         self.up = True
 
     def figures(self) -> LedgerFigures | None:
-        """The latest figures, refreshed when older than `min_interval_s`; None if unreadable."""
-        with self._lock:
-            if monotonic_s() - self._cached_at_s >= self._min_interval_s:
-                self._cached_at_s = monotonic_s()
-                started = time.perf_counter()
-                try:
-                    now_ms = self._now_ms()
-                    by_status = self._store.active_counts()
-                    edges = [now_ms + s * 1000 for _, s in PENDING_WINDOWS_S]
-                    cumulative = self._store.pending_due_before([now_ms - 1000, *edges])
-                    live = self._store.count_live(now_ms - self._live_window_ms)
-                except Exception:
-                    self.up = False
-                    self._cached = None
-                    return None
-                self.up = True
-                overdue, below = cumulative[0], cumulative[1:]
-                windows: dict[str, int] = {}
-                prev = 0
-                for (name, _), n in zip(PENDING_WINDOWS_S, below, strict=True):
-                    windows[name] = n - prev
-                    prev = n
-                windows["later"] = by_status.get("pending", 0) - prev
-                self._cached = LedgerFigures(
-                    by_status, windows, overdue, live, time.perf_counter() - started
-                )
-            return self._cached
+        """The latest figures, refreshed when older than `min_interval_s`; None when the last
+        read failed or a read has gone unanswered for `stale_after_s`."""
+        answer = self._latest.get()
+        hung = answer.running_s is not None and answer.running_s >= self._stale_after_s
+        self.up = answer.value is not None and not hung
+        return answer.value if self.up else None
+
+    def _read(self) -> LedgerFigures:
+        started = time.perf_counter()
+        now_ms = self._now_ms()
+        by_status = self._store.active_counts()
+        edges = [now_ms + s * 1000 for _, s in PENDING_WINDOWS_S]
+        cumulative = self._store.pending_due_before([now_ms - 1000, *edges])
+        live = self._store.count_live(now_ms - self._live_window_ms)
+        overdue, below = cumulative[0], cumulative[1:]
+        windows: dict[str, int] = {}
+        prev = 0
+        for (name, _), n in zip(PENDING_WINDOWS_S, below, strict=True):
+            windows[name] = n - prev
+            prev = n
+        windows["later"] = by_status.get("pending", 0) - prev
+        return LedgerFigures(by_status, windows, overdue, live, time.perf_counter() - started)
 
     def collect(self) -> Iterator[Metric]:
         figures = self.figures()

@@ -31,6 +31,13 @@ _OUTCOME_NAMES = {TaskStatus.DONE: "done", TaskStatus.PENDING: "retry", TaskStat
 """An outcome's status as the `outcome` label of keyexpiry_runs_total."""
 
 
+def late_ms(started_ms: int, due_at_ms: int) -> int | None:
+    """How late a run started, or None for a due time before 1970 (`limits.MIN_DUE_MS`), which
+    keyexpiry never writes: a row so written is run as due now, and its ~9e18 ms would swamp
+    the lateness histogram's sum for good (a later run's milliseconds vanish beside it)."""
+    return None if due_at_ms < limits.MIN_DUE_MS else started_ms - due_at_ms
+
+
 def ended(
     rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None, result: str | None = None
 ) -> Outcome:
@@ -207,7 +214,9 @@ class Executor:
             self.inflight.dropped()
             return None
         self.inflight.started(run)
-        self.rt.metrics.started(run.spec.label, started_ms - row.due_at_ms)
+        late = late_ms(started_ms, row.due_at_ms)
+        if late is not None:
+            self.rt.metrics.started(run.spec.label, late)
         try:
             if row.problem is not None:
                 raise ArgumentError(f"ledger row {row.id}: {row.problem}")
@@ -216,7 +225,10 @@ class Executor:
             log.error("not runnable: {}", exc)
             self.finish(run, ended(self.rt, run, TaskStatus.DEAD, f"not runnable: {exc}"))
             return None
-        ctx = TaskContext(row.key, row.attempts, row.due_at_ms, self.rt.store.engine, started_ms)
+        # A due time before 1970 (written outside keyexpiry) is shown to the handler as the
+        # earliest one keyexpiry writes: a time any datetime can hold.
+        due_at_ms = max(row.due_at_ms, limits.MIN_DUE_MS)
+        ctx = TaskContext(row.key, row.attempts, due_at_ms, self.rt.store.engine, started_ms)
         spec = run.spec
 
         def call() -> Any:
@@ -257,12 +269,12 @@ class Executor:
             run.spec.label, _OUTCOME_NAMES[outcome.status], monotonic_s() - run.started_s
         )
         if outcome.status is TaskStatus.DONE and outcome.finished_at_ms is not None:
-            late_ms = (row.started_at_ms or 0) - row.due_at_ms
-            log.bind(late_ms=late_ms).info(
-                "done in {} ms, started {} ms after due",
-                outcome.finished_at_ms - (row.started_at_ms or outcome.finished_at_ms),
-                late_ms,
-            )
+            took_ms = outcome.finished_at_ms - (row.started_at_ms or outcome.finished_at_ms)
+            late = late_ms(row.started_at_ms or 0, row.due_at_ms)
+            if late is None:
+                log.info("done in {} ms (due before 1970: run as due now)", took_ms)
+            else:
+                log.bind(late_ms=late).info("done in {} ms, started {} ms after due", took_ms, late)
         return True
 
     def _lease_covers(self, run: ClaimedRun, now_ms: int, log: Logger) -> bool:

@@ -11,7 +11,9 @@ import binascii
 import hashlib
 import hmac
 import ipaddress
+import math
 import secrets
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import anyio
@@ -20,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import ConfigError
 
 REALM = "keyexpiry"
@@ -29,10 +32,17 @@ MAX_BODY_BYTES = 64 * 1024
 """Largest request body read (an action's form is a key and a CSRF token: well under 2 KiB)."""
 FAILURE_DELAY_S = 1.0
 """A request with wrong credentials is answered 401 this much later."""
-MAX_DELAYED_FAILURES = 16
-"""Wrong attempts waiting out their delay at once; beyond, requests with credentials are
-answered 429 at once without being checked: guessing stays at most 16 a second, and the wait
-costs a sleeping coroutine, never a thread."""
+FAILURES_PER_PEER = 8
+"""Wrong attempts one client address may make in a burst; beyond, its wrong attempts are
+answered 429 at once. Its budget comes back one attempt every `FAILURE_REFILL_S`."""
+FAILURE_REFILL_S = 10.0
+"""A client address regains one wrong attempt this often (6 a minute, once its burst is spent)."""
+MAX_DELAYED_FAILURES = 64
+"""Wrong attempts waiting out their delay at once, all addresses together; beyond, wrong ones
+are answered 429 at once. The wait costs a sleeping coroutine, never a thread."""
+MAX_TRACKED_PEERS = 4096
+"""Client addresses whose wrong attempts are remembered; the one that failed longest ago is
+forgotten first."""
 
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -144,15 +154,32 @@ def _is_loopback_ip(name: str) -> bool:
 
 
 class _FailureThrottle:
-    """Wrong credentials answered late, with a bound on how many wait at once (see
-    `MAX_DELAYED_FAILURES`). The dashboard runs on one event loop: a plain counter holds."""
+    """Wrong credentials answered late, with a budget per client address (`FAILURES_PER_PEER`,
+    refilled every `FAILURE_REFILL_S`) and a bound on how many wait at once in all
+    (`MAX_DELAYED_FAILURES`). It is asked only after the token was checked, so the right token
+    is never refused: only the address that guesses is. The dashboard runs on one event loop:
+    plain counters hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, now_s: Callable[[], float] = monotonic_s) -> None:
         self.waiting = 0
+        self._now_s = now_s
+        self._spent: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        """Client address -> (attempts spent, when last charged), the oldest charge first."""
 
-    @property
-    def saturated(self) -> bool:
-        return self.waiting >= MAX_DELAYED_FAILURES
+    def charge(self, peer: str | None) -> float | None:
+        """Count a wrong attempt from `peer`: None when it is to be answered late (then await
+        `delay()`), else the seconds until that address may try again, to answer 429 at once."""
+        now = self._now_s()
+        key = _peer_key(peer)
+        spent = self._spent_now(key, now)
+        if spent + 1 > FAILURES_PER_PEER:
+            return (spent + 1 - FAILURES_PER_PEER) * FAILURE_REFILL_S
+        if self.waiting >= MAX_DELAYED_FAILURES:
+            return FAILURE_DELAY_S
+        self._spent[key] = (spent + 1, now)
+        self._spent.move_to_end(key)
+        self._forget(now)
+        return None
 
     async def delay(self) -> None:
         self.waiting += 1
@@ -160,6 +187,32 @@ class _FailureThrottle:
             await anyio.sleep(FAILURE_DELAY_S)
         finally:
             self.waiting -= 1
+
+    def _spent_now(self, key: str, now: float) -> float:
+        spent, at = self._spent.get(key, (0.0, now))
+        return max(0.0, spent - (now - at) / FAILURE_REFILL_S)
+
+    def _forget(self, now: float) -> None:
+        """Drop addresses whose budget is whole again, and the oldest beyond the bound."""
+        while self._spent:
+            key = next(iter(self._spent))
+            if len(self._spent) <= MAX_TRACKED_PEERS and self._spent_now(key, now) > 0:
+                return
+            del self._spent[key]
+
+
+def _peer_key(peer: str | None) -> str:
+    """Whose budget a request spends: its address, or its /64 for IPv6 (one host may hold a
+    whole /64)."""
+    if peer is None:
+        return ""
+    try:
+        address = ipaddress.ip_address(peer.split("%")[0])
+    except ValueError:
+        return peer
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is None:
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else address)
 
 
 class Guard:
@@ -224,16 +277,18 @@ class Guard:
                 status_code=403,
             )
         credentials = request.headers.get("authorization")
-        if credentials and self._throttle.saturated:
-            # Checked now, a right answer would tell a guesser apart from the wrong ones.
-            return PlainTextResponse(
-                "too many failed attempts: try again in a few seconds\n",
-                status_code=429,
-                headers={"Retry-After": "2"},
-            )
+        # The token first, whatever the throttle says: a guesser must never lock the operator
+        # out (the comparison costs nothing; its constant time gives nothing away).
         if token_matches(credentials, self.token):
             return None
         if credentials:
+            retry_s = self._throttle.charge(request.client.host if request.client else None)
+            if retry_s is not None:
+                return PlainTextResponse(
+                    "too many failed attempts from this address: try again later\n",
+                    status_code=429,
+                    headers={"Retry-After": str(math.ceil(retry_s))},
+                )
             await self._throttle.delay()
         return PlainTextResponse(
             "authentication required\n",
