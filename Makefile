@@ -29,13 +29,16 @@ listen: $(STAMP)
 	$(BIN)/keyexpiry listen --tasks tasks.orders,tasks.auctions,tasks.refunds
 
 ## servers: the real redis-server and MariaDB the tests start on loopback ports (and faketime, the
-## headless Chromium the dashboard's browser test drives, and the `mariadb` and `redis-cli` clients
-## docs/PROTOCOL.md's test creates tasks with)
+## headless Chromium the dashboard's browser test drives, the `mariadb` and `redis-cli` clients
+## docs/PROTOCOL.md's test creates tasks with, and the Galera provider, rsync for its state
+## transfers and HAProxy the fault suite's Galera cluster needs)
 servers:
 	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null && command -v faketime >/dev/null \
 	  && command -v chromium >/dev/null && command -v mariadb >/dev/null && command -v redis-cli >/dev/null \
+	  && test -f /usr/lib/galera/libgalera_smm.so && command -v rsync >/dev/null \
+	  && command -v haproxy >/dev/null \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	  redis-server redis-tools mariadb-server mariadb-client faketime chromium; }
+	  redis-server redis-tools mariadb-server mariadb-client faketime chromium galera-4 rsync haproxy; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check keyexpiry tasks tests examples

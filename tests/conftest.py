@@ -7,7 +7,8 @@ Function-scoped fixtures hand each test a clean slice of them (a flushed Redis, 
 fresh MariaDB database, a fresh SQLite file).
 
 Binaries can be overridden with ``KEYEXPIRY_TEST_REDIS_SERVER``,
-``KEYEXPIRY_TEST_MARIADBD`` and ``KEYEXPIRY_TEST_MARIADB_INSTALL_DB``. When one is
+``KEYEXPIRY_TEST_MARIADBD``, ``KEYEXPIRY_TEST_MARIADB_INSTALL_DB``, ``KEYEXPIRY_TEST_HAPROXY``
+and ``KEYEXPIRY_TEST_GALERA_PROVIDER`` (the wsrep library). When one is
 missing the tests that need it are skipped locally, but fail when ``CI`` is set, so
 a broken CI image cannot turn the suite silently green.
 """
@@ -26,6 +27,7 @@ from hypothesis import settings as hypothesis_settings
 
 from keyexpiry.bench.servers import LOOPBACK, MariaDBServer, RedisServer, find_binary
 from keyexpiry.bench.servers.cluster import LocalCluster
+from keyexpiry.bench.servers.galera import PROVIDER, LocalGalera, find_provider
 from keyexpiry.bench.servers.sentinel import SentinelGroup
 
 # keyexpiry-level fixtures (settings, client, start_listener) live in tests/ke.py.
@@ -42,6 +44,8 @@ hypothesis_settings.load_profile("keyexpiry")
 REDIS_SERVER = os.environ.get("KEYEXPIRY_TEST_REDIS_SERVER") or "redis-server"
 MARIADBD = os.environ.get("KEYEXPIRY_TEST_MARIADBD") or "mariadbd"
 MARIADB_INSTALL_DB = os.environ.get("KEYEXPIRY_TEST_MARIADB_INSTALL_DB") or "mariadb-install-db"
+GALERA_PROVIDER = os.environ.get("KEYEXPIRY_TEST_GALERA_PROVIDER") or PROVIDER
+HAPROXY = os.environ.get("KEYEXPIRY_TEST_HAPROXY") or "haproxy"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -77,6 +81,17 @@ def _require(binary: str) -> str:
     path = find_binary(binary)
     if path is None:
         message = f"server binary {binary!r} is not installed (not on PATH or in */sbin)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI is set, so this is an error", pytrace=False)
+        pytest.skip(message)
+    return path
+
+
+def _require_galera_provider() -> str:
+    """The wsrep provider library `galera-4` installs; skip without it (fail under CI)."""
+    path = find_provider(GALERA_PROVIDER)
+    if path is None:
+        message = f"the Galera provider {GALERA_PROVIDER!r} is not installed (package galera-4)"
         if os.environ.get("CI"):
             pytest.fail(f"{message}; CI is set, so this is an error", pytrace=False)
         pytest.skip(message)
@@ -119,6 +134,26 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
     Tests that kill, reshard or add nodes use `cluster_factory` instead."""
     binary = _require(REDIS_SERVER)
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), binary=binary)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def galera_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGalera]:
+    """A three-node MariaDB Galera cluster (rsync SST), started once per test module that uses
+    it. A test that kills a node calls, or leaves the next test to call, `heal()`."""
+    binary = _require(MARIADBD)
+    install_binary = _require(MARIADB_INSTALL_DB)
+    _require("rsync")
+    cluster = LocalGalera(
+        tmp_path_factory.mktemp("galera"),
+        binary=binary,
+        install_binary=install_binary,
+        provider=_require_galera_provider(),
+    )
     cluster.start()
     try:
         yield cluster

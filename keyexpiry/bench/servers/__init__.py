@@ -1,4 +1,5 @@
-"""Real Redis and MariaDB servers for the test suite and the benchmark.
+"""Real Redis and MariaDB servers (a Galera cluster and HAProxy too) for the test suite and the
+benchmark.
 
 Every server runs as a child process on a free loopback port with its files in a caller-supplied
 work directory, so tests (and xdist workers) never share state with each other or with anything
@@ -6,6 +7,8 @@ installed on the machine. Nothing here sleeps for a fixed time: all waiting goes
 `wait_until`, which polls on a monotonic deadline.
 """
 
+from keyexpiry.bench.servers.galera import GaleraNode, LocalGalera
+from keyexpiry.bench.servers.haproxy import HAProxy
 from keyexpiry.bench.servers.mariadb import MariaDBServer, lock_waits
 from keyexpiry.bench.servers.process import (
     LOOPBACK,
@@ -18,6 +21,9 @@ from keyexpiry.bench.servers.redis import RedisServer
 
 __all__ = [
     "LOOPBACK",
+    "GaleraNode",
+    "HAProxy",
+    "LocalGalera",
     "MariaDBServer",
     "RedisServer",
     "ServerError",
