@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import ssl
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from typer.testing import CliRunner
 from keyexpiry import Client, Listener, Settings, TaskRequest
 from keyexpiry.bench.servers import LOOPBACK, RedisServer, wait_until
 from keyexpiry.cli import app
-from keyexpiry.errors import RedisConfigError
+from keyexpiry.errors import RedisConfigError, RedisUnavailableError
 from keyexpiry.masking import mask_url
 from tests.conftest import REDIS_SERVER, RedisFactory, _require
 from tests.ke import Running, make_settings
@@ -157,12 +158,15 @@ class TlsRedisServer(RedisServer):
         return f"rediss://{LOOPBACK}:{self.port}/{db}?ssl_ca_certs={self.certs['ca']}"
 
     def client(self, db: int = 0, **kwargs: Any) -> redis.Redis:
+        # The harness's own client takes older certificates too (the tests' clients are what
+        # the URLs make them).
         return redis.Redis(
             host=LOOPBACK,
             port=self.port,
             db=db,
             ssl=True,
             ssl_ca_certs=str(self.certs["ca"]),
+            ssl_exclude_verify_flags=[ssl.VerifyFlags.VERIFY_X509_STRICT],
             **kwargs,
         )
 
@@ -185,7 +189,7 @@ class TlsRedisServer(RedisServer):
         )
 
 
-def make_certs(directory: Path) -> dict[str, Path]:
+def make_certs(directory: Path, *, strict: bool = True) -> dict[str, Path]:
     """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI.
 
     Both carry what strict verification (Python 3.13's default `VERIFY_X509_STRICT`) requires:
@@ -203,20 +207,28 @@ def make_certs(directory: Path) -> dict[str, Path]:
     def run(*args: str) -> None:
         subprocess.run([openssl, *args], check=True, capture_output=True, timeout=30)
 
+    # Without `strict`: what older tooling made, and strict verification refuses (a CA whose
+    # basicConstraints is not critical, no keyUsage; a server certificate with its names only).
+    ca_ext = (
+        ["-addext", "basicConstraints=critical,CA:TRUE",
+         "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+         "-addext", "subjectKeyIdentifier=hash"]
+        if strict
+        else ["-addext", "basicConstraints=CA:TRUE"]
+    )  # fmt: skip
     run("req", "-x509", *ec, "-keyout", str(p["ca-key"]), "-out", str(p["ca"]), "-days", "1",
-        "-subj", "/CN=keyexpiry test CA",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        "-addext", "subjectKeyIdentifier=hash")  # fmt: skip
+        "-subj", "/CN=keyexpiry test CA", *ca_ext)  # fmt: skip
     run("req", *ec, "-keyout", str(p["key"]), "-out", str(p["csr"]), "-subj", f"/CN={LOOPBACK}")
     ext = directory / "ext.cnf"
+    names = f"subjectAltName=IP:{LOOPBACK},DNS:localhost\n"
     ext.write_text(
-        f"subjectAltName=IP:{LOOPBACK},DNS:localhost\n"
-        "basicConstraints=critical,CA:FALSE\n"
+        names + "basicConstraints=critical,CA:FALSE\n"
         "keyUsage=critical,digitalSignature,keyEncipherment\n"
         "extendedKeyUsage=serverAuth,clientAuth\n"
         "subjectKeyIdentifier=hash\n"
         "authorityKeyIdentifier=keyid,issuer\n"
+        if strict
+        else names
     )
     run("x509", "-req", "-in", str(p["csr"]), "-CA", str(p["ca"]), "-CAkey", str(p["ca-key"]),
         "-CAcreateserial", "-out", str(p["cert"]), "-days", "1", "-extfile", str(ext))  # fmt: skip
@@ -257,3 +269,27 @@ def test_tls_with_an_acl_user_creates_listens_and_runs(
     text = "".join(log_lines)
     assert PASSWORD not in text and PASSWORD not in repr(cfg)
     assert f"rediss://ke:***@{LOOPBACK}:{tls_server.port}/0?ssl_ca_certs=" in text
+
+
+def test_older_certificates_pass_with_the_strict_check_excluded_in_the_url(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Python 3.13 verifies strictly by default and refuses certificates older tooling made;
+    README's remedy, short of re-issuing them, is redis-py's URL option. Strict verification is
+    asked for here explicitly, so this shows the refusal and the remedy on every Python."""
+    server = TlsRedisServer(
+        tmp_path / "redis-tls",
+        certs=make_certs(tmp_path / "certs", strict=False),
+        binary=_require(REDIS_SERVER),
+    )
+    server.start()
+    try:
+        strict = f"{server.url()}&ssl_include_verify_flags=VERIFY_X509_STRICT"
+        refused = make_settings(strict, f"sqlite:///{tmp_path / 'a.db'}", tmp_path)
+        with pytest.raises(RedisUnavailableError), Client(refused) as c:
+            c.create("Probe.record", "old-cert", ttl_s=60)
+        relaxed = f"{strict}&ssl_exclude_verify_flags=VERIFY_X509_STRICT"
+        with Client(make_settings(relaxed, f"sqlite:///{tmp_path / 'b.db'}", tmp_path)) as c:
+            assert c.create("Probe.record", "old-cert", ttl_s=60) == "Probe@record@old-cert"
+    finally:
+        server.kill()
