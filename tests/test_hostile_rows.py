@@ -295,6 +295,10 @@ def _listen(
     assert _get(f"{url}/readyz")[0] == 200
     reports = [ln for ln in log_lines if "malformed ledger row" in ln and key in ln]
     assert len(reports) <= 1, reports  # once per row, however many passes meet it
+    metrics = _get(f"{url}/metrics")[1]
+    counted = listener.reconciler.malformed.count
+    assert f"keyexpiry_malformed_rows_total {float(counted)}" in metrics
+    assert counted >= len(reports)
     for ln in log_lines:
         _no_raw_controls(ln)
 

@@ -39,6 +39,7 @@ NAMES = (
     "keyexpiry_reconcile_rearmed_total",
     "keyexpiry_reconcile_requeued_total",
     "keyexpiry_overdue_repeats_total",
+    "keyexpiry_malformed_rows_total",
     "keyexpiry_reconciliations_total",
     "keyexpiry_reconnects_total",
     "keyexpiry_thread_errors_total",
@@ -319,6 +320,12 @@ class ListenerCollector(Collector):
             "Overdue tasks repaired again at a due time already reported (logged once each): "
             "rows no listener runs, such as an unregistered class or a method not exposed.",
             rec.overdue_repeats_total,
+        )
+        yield _counter(
+            "keyexpiry_malformed_rows",
+            "Ledger rows keyexpiry would not have written, met by this listener (each logged "
+            "once, with its key): shown marked, skipped or run as due now (docs/GUARANTEES.md).",
+            rec.malformed.count,
         )
         yield _counter(
             "keyexpiry_reconciliations", "Full reconciliation passes.", lst.reconciles_done

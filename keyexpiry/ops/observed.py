@@ -44,6 +44,13 @@ class ObservedFleet(Protocol):
     def failing(self) -> bool: ...
 
 
+class ObservedCount(Protocol):
+    """A count kept by a part of the listener."""
+
+    @property
+    def count(self) -> int: ...
+
+
 class ObservedReconciler(Protocol):
     """What reconciliation repaired."""
 
@@ -53,6 +60,8 @@ class ObservedReconciler(Protocol):
     def requeued_total(self) -> int: ...
     @property
     def overdue_repeats_total(self) -> int: ...
+    @property
+    def malformed(self) -> ObservedCount: ...
 
 
 class ObservedListener(Protocol):
