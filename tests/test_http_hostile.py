@@ -376,9 +376,11 @@ def test_wrong_credentials_are_slowed_and_guessing_is_bounded(
         refused = next(a for a in answers if a[0] == 429)
         assert int(refused[1]["Retry-After"]) >= 1
         assert refused[1]["X-Content-Type-Options"] == "nosniff"
-        # The right token is checked first: served at once, from the guesser's address too.
+        # From the guesser's address, past its budget, the right token is refused like a wrong
+        # one (no instant yes or no); from another address it is served at once.
+        assert http(url, headers=AUTH)[0] == 429
         started = time.monotonic()
-        assert http(url, headers=AUTH)[0] == 200
+        assert http_from("127.0.0.2", port, AUTH) == 200
         assert time.monotonic() - started < FAILURE_DELAY_S
 
 
@@ -401,13 +403,16 @@ def test_the_correct_token_still_works_during_a_burst_of_wrong_ones(
         attackers = [pool.submit(guess) for _ in range(20)]
         try:
             wait_until(lambda: guesses.count(429) >= 40, 15, message="the guesses were not refused")
-            for _ in range(22):
+            # Past its budget the guessing address learns nothing: the right token is refused
+            # from it as a wrong one is (an instant 200 would tell the guess apart).
+            assert http(url, headers=AUTH)[0] == 429
+            for _ in range(22):  # the operator, at another address
                 started = time.monotonic()
-                assert http(url, headers=AUTH)[0] == 200
+                assert http_from("127.0.0.2", port, AUTH) == 200
                 assert time.monotonic() - started < 2.0, "the operator was kept waiting"
             # Another address's wrong token is slowed as usual, not refused with the guesser's.
             started = time.monotonic()
-            assert http_from("127.0.0.2", port, {"Authorization": "Bearer typo"}) == 401
+            assert http_from("127.0.0.3", port, {"Authorization": "Bearer typo"}) == 401
             assert time.monotonic() - started >= FAILURE_DELAY_S * 0.9
         finally:
             stop.set()

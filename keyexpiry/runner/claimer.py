@@ -34,6 +34,11 @@ class _Unsettled:
 
     keys: list[str]
     token: str
+    now_ms: int
+    lease_until_ms: int
+    """The lost claim's times, passed again: rows it took hold its lease, and the runs must
+    know that one (an outage may have eaten it: the run then extends it, under the token,
+    before it starts, or finds the row taken over)."""
 
 
 class Intake:
@@ -127,6 +132,7 @@ class Claimer:
             unsettled, self._unsettled = self._unsettled, None
             if unsettled is not None:
                 batch, token = unsettled.keys, unsettled.token
+                times: tuple[int, int] | None = (unsettled.now_ms, unsettled.lease_until_ms)
             else:
                 if not self.intake.wait(0.1):
                     continue
@@ -141,9 +147,10 @@ class Claimer:
                     self.claiming = False
                     break
                 batch, token = self.intake.take(room), f"{self.rt.owner}:{next(self._seq)}"
+                times = None
             self.claiming = True
             try:
-                self._claim_batch(batch, token)
+                self._claim_batch(batch, token, times)
                 if unsettled is not None:
                     self._stats.claims_settled += 1
                     logger.info(
@@ -180,7 +187,9 @@ class Claimer:
         unsettled = self._unsettled
         return 0 if unsettled is None else len(unsettled.keys)
 
-    def _claim_batch(self, keys: list[str], token: str) -> None:
+    def _claim_batch(self, keys: list[str], token: str, times: tuple[int, int] | None) -> None:
+        """Claim `keys` under `token`, at `times` (now, lease end) when repeating a claim whose
+        commit's outcome is unknown, else now."""
         specs: dict[str, TaskSpec] = {}
         for key in keys:
             spec = self._spec_for_key(key)
@@ -189,9 +198,11 @@ class Claimer:
         if not specs:
             return
         settings = self.rt.settings
-        now_ms = self.rt.clock.now_ms()
+        now_ms = self.rt.clock.now_ms() if times is None else times[0]
         timeout_s = max(retries.timeout_s(s.options, settings) for s in specs.values())
-        lease_until_ms = now_ms + int((timeout_s + settings.lease_grace_s) * 1000)
+        lease_until_ms = (
+            now_ms + int((timeout_s + settings.lease_grace_s) * 1000) if times is None else times[1]
+        )
         locked: set[str] = set()
         try:
             rows = self.rt.store.claim(
@@ -202,7 +213,7 @@ class Claimer:
                 # The statement may have committed before its answer was lost (a failover, a
                 # cut connection): its rows may be running under `token` with no thread to run
                 # them. Only the same token finds them again.
-                self._unsettled = _Unsettled(list(specs), token)
+                self._unsettled = _Unsettled(list(specs), token, now_ms, lease_until_ms)
                 raise
             rows, locked = self._claim_around_locks(list(specs), exc, now_ms, lease_until_ms, token)
         self._stats.claimed += len(rows)
@@ -257,7 +268,7 @@ class Claimer:
                 if not err.lock_timeout:
                     # The rows claimed so far must still run; the rest waits in the backlog.
                     logger.error("claiming {} task(s) failed: {}", len(keys) - i, err)
-                    self._unsettled = _Unsettled(keys[i:], token)
+                    self._unsettled = _Unsettled(keys[i:], token, now_ms, lease_until_ms)
                     break
                 _log_locked(key, err)
                 locked.add(key)

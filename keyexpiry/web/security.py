@@ -156,9 +156,9 @@ def _is_loopback_ip(name: str) -> bool:
 class _FailureThrottle:
     """Wrong credentials answered late, with a budget per client address (`FAILURES_PER_PEER`,
     refilled every `FAILURE_REFILL_S`) and a bound on how many wait at once in all
-    (`MAX_DELAYED_FAILURES`). It is asked only after the token was checked, so the right token
-    is never refused: only the address that guesses is. The dashboard runs on one event loop:
-    plain counters hold."""
+    (`MAX_DELAYED_FAILURES`). An address past its budget is refused before its token is checked
+    (a right guess must look like a wrong one); other addresses, the operator's, are never
+    refused for it. The dashboard runs on one event loop: plain counters hold."""
 
     def __init__(self, now_s: Callable[[], float] = monotonic_s) -> None:
         self.waiting = 0
@@ -166,19 +166,31 @@ class _FailureThrottle:
         self._spent: OrderedDict[str, tuple[float, float]] = OrderedDict()
         """Client address -> (attempts spent, when last charged), the oldest charge first."""
 
+    def blocked(self, peer: str | None) -> float | None:
+        """Seconds until `peer` may try again when its budget is spent, else None. Asked before
+        the token is checked: an address past its budget learns nothing of its guesses."""
+        spent = self._spent_now(_peer_key(peer), self._now_s())
+        return (
+            (spent + 1 - FAILURES_PER_PEER) * FAILURE_REFILL_S
+            if spent + 1 > FAILURES_PER_PEER
+            else None
+        )
+
     def charge(self, peer: str | None) -> float | None:
         """Count a wrong attempt from `peer`: None when it is to be answered late (then await
-        `delay()`), else the seconds until that address may try again, to answer 429 at once."""
+        `delay()`), else the seconds until that address may try again, to answer 429 at once.
+        An attempt answered at once (too many waiting) is charged all the same, so the budget
+        bounds every address's guesses whatever the server's load."""
         now = self._now_s()
         key = _peer_key(peer)
         spent = self._spent_now(key, now)
         if spent + 1 > FAILURES_PER_PEER:
             return (spent + 1 - FAILURES_PER_PEER) * FAILURE_REFILL_S
-        if self.waiting >= MAX_DELAYED_FAILURES:
-            return FAILURE_DELAY_S
         self._spent[key] = (spent + 1, now)
         self._spent.move_to_end(key)
         self._forget(now)
+        if self.waiting >= MAX_DELAYED_FAILURES:
+            return FAILURE_DELAY_S
         return None
 
     async def delay(self) -> None:
@@ -277,12 +289,16 @@ class Guard:
                 status_code=403,
             )
         credentials = request.headers.get("authorization")
-        # The token first, whatever the throttle says: a guesser must never lock the operator
-        # out (the comparison costs nothing; its constant time gives nothing away).
-        if token_matches(credentials, self.token):
+        peer = request.client.host if request.client else None
+        # An address past its budget is refused before its token is checked, or each guess
+        # would get an instant yes or no; the budget is per address, so a guesser never locks
+        # out an operator elsewhere.
+        retry_s = self._throttle.blocked(peer) if credentials else None
+        if retry_s is None and token_matches(credentials, self.token):
             return None
         if credentials:
-            retry_s = self._throttle.charge(request.client.host if request.client else None)
+            if retry_s is None:
+                retry_s = self._throttle.charge(peer)
             if retry_s is not None:
                 return PlainTextResponse(
                     "too many failed attempts from this address: try again later\n",
