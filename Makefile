@@ -28,17 +28,18 @@ demo: $(STAMP)
 listen: $(STAMP)
 	$(BIN)/keyexpiry listen --tasks tasks.orders,tasks.auctions,tasks.refunds
 
-## servers: the real redis-server and MariaDB the tests start on loopback ports (and faketime, the
-## headless Chromium the dashboard's browser test drives, the `mariadb` and `redis-cli` clients
-## docs/PROTOCOL.md's test creates tasks with, and the Galera provider, rsync for its state
-## transfers and HAProxy the fault suite's Galera cluster needs)
+## servers: the real redis-server, MariaDB and PostgreSQL the tests start on loopback ports (and
+## faketime, the headless Chromium the dashboard's browser test drives, the `mariadb` and
+## `redis-cli` clients docs/PROTOCOL.md's test creates tasks with, and the Galera provider, rsync
+## for its state transfers and HAProxy the fault suite's Galera cluster needs)
 servers:
 	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null && command -v faketime >/dev/null \
 	  && command -v chromium >/dev/null && command -v mariadb >/dev/null && command -v redis-cli >/dev/null \
 	  && test -f /usr/lib/galera/libgalera_smm.so && command -v rsync >/dev/null \
-	  && command -v haproxy >/dev/null \
+	  && command -v haproxy >/dev/null && ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	  redis-server redis-tools mariadb-server mariadb-client faketime chromium galera-4 rsync haproxy; }
+	  redis-server redis-tools mariadb-server mariadb-client faketime chromium galera-4 rsync haproxy \
+	  postgresql; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check keyexpiry tasks tests examples

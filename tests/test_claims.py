@@ -73,7 +73,7 @@ def test_a_claim_returns_the_rows_as_the_ledger_holds_them(store: Store) -> None
     assert rows == [store.get(k) for k in ("A@m@1", "A@m@2", "A@m@3")]
     assert (rows[0].attempts, rows[0].last_error, rows[0].retry_schedule_s) == (
         2,
-        "boom\x00ü",
+        "boom\\0ü",  # a NUL kept as `\\0` (PostgreSQL text cannot hold it)
         (1.5, 30.0),
     )
     # Repeated under the same token (its COMMIT's answer lost): the rows the first one took.

@@ -74,12 +74,15 @@ def test_examples_change_business_data_once_and_tolerate_reruns(
 
 @pytest.fixture
 def shop(
-    redis_url: str, mysql_url: str, tmp_path: Path, start_listener: Callable[[Settings], Running]
+    redis_url: str,
+    server_db_url: str,
+    tmp_path: Path,
+    start_listener: Callable[[Settings], Running],
 ) -> Iterator[tuple[TestClient, Client]]:
-    """The shop on MariaDB with a 2 s payment window (the paid order's create and payment fit
-    in it even on a stalled machine), a listener running its task, and a client to read the
-    ledger."""
-    settings = make_settings(redis_url, mysql_url, tmp_path)
+    """The shop on MariaDB and on PostgreSQL with a 2 s payment window (the paid order's create
+    and payment fit in it even on a stalled machine), a listener running its task, and a client
+    to read the ledger."""
+    settings = make_settings(redis_url, server_db_url, tmp_path)
     with TestClient(shop_app.create_app(settings, payment_window_s=2.0)) as http:
         http.put("/stock/tea", json={"available": 5}).raise_for_status()
         start_listener(settings)

@@ -70,10 +70,10 @@ def test_a_new_column_without_a_default_is_a_model_error(sqlite_url: str) -> Non
 
 def _drop_index(engine: Engine, name: str) -> None:
     with engine.begin() as conn:
-        if engine.dialect.name == "sqlite":
-            conn.execute(text(f"DROP INDEX {name}"))
-        else:
+        if engine.dialect.name in ("mysql", "mariadb"):
             conn.execute(text(f"DROP INDEX {name} ON time_limit_task"))
+        else:  # SQLite, PostgreSQL: an index is named in the schema
+            conn.execute(text(f"DROP INDEX {name}"))
 
 
 def _index_names(engine: Engine) -> set[str]:
@@ -187,8 +187,10 @@ def test_old_task_table_gains_tag_and_result_and_the_tag_index_and_keeps_its_row
 ) -> None:
     engine = make_engine(db_url)
     try:
-        sqlite = engine.dialect.name == "sqlite"
-        id_ddl = "INTEGER PRIMARY KEY" if sqlite else "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
+        id_ddl = {
+            "sqlite": "INTEGER PRIMARY KEY",
+            "postgresql": "BIGSERIAL PRIMARY KEY",
+        }.get(engine.dialect.name, "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY")
         with engine.begin() as conn:
             conn.execute(text(OLD_TASK_DDL.format(id=id_ddl)))
             conn.execute(

@@ -376,14 +376,15 @@ def test_rules_against_a_concurrent_claim_lose_and_double_nothing(
 
 @pytest.mark.parametrize("in_tx", [False, True], ids=["own-tx", "caller-tx"])
 def test_a_key_created_between_the_read_and_the_insert_is_read_again(
-    mysql_url: str, redis_url: str, tmp_path: Path, in_tx: bool
+    server_db_url: str, redis_url: str, tmp_path: Path, in_tx: bool
 ) -> None:
-    """MariaDB (READ COMMITTED: no gap lock on a key that is not there yet): another create
-    commits the key after this one found it absent. The INSERT fails on the duplicate, the rows
-    are read again under their lock, and the rule applies to the row that is there."""
-    with Client(make_settings(redis_url, mysql_url, tmp_path)) as client:
+    """MariaDB and PostgreSQL (READ COMMITTED: no gap lock on a key that is not there yet):
+    another create commits the key after this one found it absent. The INSERT fails on the
+    duplicate, the rows are read again under their lock, and the rule applies to the row that is
+    there (on PostgreSQL the caller's transaction goes on: only its savepoint is rolled back)."""
+    with Client(make_settings(redis_url, server_db_url, tmp_path)) as client:
         key = client.key_for("Probe.record", "raced")
-        app = create_engine(mysql_url, isolation_level="READ COMMITTED")
+        app = create_engine(server_db_url, isolation_level="READ COMMITTED")
         engine = app if in_tx else client.store.engine
         sneaked: list[bool] = []
 

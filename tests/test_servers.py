@@ -336,7 +336,11 @@ def test_mariadb_kill_restart_pause(mariadb_factory: MariaDBFactory) -> None:
 
 def test_db_url_runs_for_each_backend(db_url: str, request: pytest.FixtureRequest) -> None:
     backend = request.node.callspec.id
-    expected_prefix = {"sqlite": "sqlite:///", "mariadb": "mysql+pymysql://"}[backend]
+    expected_prefix = {
+        "sqlite": "sqlite:///",
+        "mariadb": "mysql+pymysql://",
+        "postgres": "postgresql+psycopg://",
+    }[backend]
     assert db_url.startswith(expected_prefix)
     metadata = sa.MetaData()
     table = sa.Table(

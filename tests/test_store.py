@@ -202,6 +202,23 @@ def test_ledger_connections_wait_at_most_5_s_on_a_row_lock(mysql_url: str) -> No
     assert tuple(got) == (5, 50)
 
 
+def test_postgres_connections_wait_at_most_5_s_on_a_row_lock(pg_url: str) -> None:
+    # PostgreSQL's default is to wait for ever; a lower setting of the server's is kept.
+    engine = make_engine(pg_url)
+    with engine.connect() as conn:
+        got = conn.exec_driver_sql("SHOW lock_timeout").scalar_one()
+        conn.exec_driver_sql(
+            "ALTER DATABASE " + pg_url.rsplit("/", 1)[1] + " SET lock_timeout = '2s'"
+        )
+        conn.commit()
+    engine.dispose()
+    assert got == "5s"
+    engine = make_engine(pg_url)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SHOW lock_timeout").scalar_one() == "2s"
+    engine.dispose()
+
+
 def _com(conn: Any, *names: str) -> dict[str, int]:
     """MariaDB's server-wide statement counters (this test's server only runs this test), read
     on a connection the caller keeps open (closing it would count a ROLLBACK)."""
@@ -450,4 +467,68 @@ def test_a_refused_single_create_is_a_store_error_and_the_pool_goes_on(db_url: s
     assert not caught.value.disconnected
     store.upsert_pending([new("A@m@3")], NOW)
     assert store.count_pending() == 2
+    store.engine.dispose()
+
+
+def _pg_sessions(admin: Any) -> list[int]:
+    with admin.connect() as conn:
+        return [
+            int(pid)
+            for pid in conn.exec_driver_sql(
+                "SELECT pid FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).scalars()
+        ]
+
+
+def test_on_postgres_disposing_the_engine_closes_the_autocommit_pool_too(pg_url: str) -> None:
+    store = Store(make_engine(pg_url))
+    store.create_schema()
+    store.upsert_pending([new("A@m@1"), new("A@m@2")], NOW)  # the main pool's connection
+    store.upsert_pending([new("A@m@3")], NOW)  # a single create: the autocommit pool's
+    admin = make_engine(pg_url)
+    assert len(_pg_sessions(admin)) == 2
+    store.engine.dispose()
+    wait_until(lambda: _pg_sessions(admin) == [], 10)
+    admin.dispose()
+
+
+def test_on_postgres_a_create_and_a_claim_on_dropped_connections_are_retried(pg_url: str) -> None:
+    store = Store(make_engine(pg_url))
+    store.create_schema()
+    store.upsert_pending([new("A@m@first")], NOW)
+    store.upsert_pending([new("A@m@b1"), new("A@m@b2")], NOW)
+    admin = make_engine(pg_url)
+    pids = _pg_sessions(admin)
+    with admin.connect() as conn:
+        for pid in pids:
+            conn.exec_driver_sql(f"SELECT pg_terminate_backend({pid})")
+    assert pids  # the store's pooled connections, the autocommit one among them
+    store.upsert_pending([new("A@m@after")], NOW)  # dead connection found, retried on a new one
+    (row,) = store.claim(["A@m@after"], now_ms=NOW, lease_until_ms=NOW + 9, token="t")
+    assert row.status is TaskStatus.RUNNING
+    admin.dispose()
+    store.engine.dispose()
+
+
+def test_on_postgres_a_read_only_server_drops_the_connection_and_says_so(pg_url: str) -> None:
+    """A standby (or the old primary come back as one) refuses writes with 25006: the
+    connection is dropped, so the next one goes where the URL points now."""
+    store = Store(make_engine(pg_url))
+    store.create_schema()
+    admin = make_engine(pg_url)
+    db = pg_url.rsplit("/", 1)[1]
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"ALTER DATABASE {db} SET default_transaction_read_only = on")
+        conn.commit()
+    store.engine.dispose()  # the setting holds for sessions that start after it
+    try:
+        with pytest.raises(StoreError, match="read-only transaction") as caught:
+            store.upsert_pending([new("A@m@ro1"), new("A@m@ro2")], NOW)
+        assert caught.value.disconnected
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"ALTER DATABASE {db} SET default_transaction_read_only = off")
+            conn.commit()
+        admin.dispose()
     store.engine.dispose()

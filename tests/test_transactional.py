@@ -110,12 +110,12 @@ def test_a_lost_claim_rolls_the_write_back(
     assert sample_tasks.CALLS[key] == 1
 
 
-def test_on_mariadb_a_hung_handlers_locks_go_with_its_timeout(
-    redis_url: str, mysql_url: str, tmp_path: Path, start_listener: StartListener
+def test_on_a_server_a_hung_handlers_locks_go_with_its_timeout(
+    redis_url: str, server_db_url: str, tmp_path: Path, start_listener: StartListener
 ) -> None:
     # SQLite has no session to end: there the hung handler's transaction ends when it returns
     # (the timeout test above).
-    settings = make_settings(redis_url, mysql_url, tmp_path)
+    settings = make_settings(redis_url, server_db_url, tmp_path)
     counters = sample_tasks.COUNTERS
     with Client(settings) as client:
         sample_tasks.business.create_all(client.store.engine)

@@ -20,7 +20,7 @@ from tests.ke import Running, make_settings
 
 def test_the_first_wave_opens_no_connection_and_compiles_no_claim(
     redis_url: str,
-    mysql_url: str,
+    server_db_url: str,
     tmp_path: Path,
     start_listener: Callable[..., Running],
     monkeypatch: pytest.MonkeyPatch,
@@ -33,7 +33,7 @@ def test_the_first_wave_opens_no_connection_and_compiles_no_claim(
         return real_compile(statement, dialect)
 
     monkeypatch.setattr(Prepared, "compile", staticmethod(counting))
-    settings = make_settings(redis_url, mysql_url, tmp_path, claim_batch=64)
+    settings = make_settings(redis_url, server_db_url, tmp_path, claim_batch=64)
     running = start_listener(settings)
     engine = running.listener.store.engine
     assert engine.pool.checkedin() + engine.pool.checkedout() >= 8  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from sqlalchemy import delete, func, select, text
 import keyexpiry.bench.tasks  # noqa: F401 - registers Bench.noop
 from keyexpiry import Client, Settings
 from keyexpiry.bench.cpuquota import CpuQuota
-from keyexpiry.bench.servers import MariaDBServer, RedisServer, find_binary
+from keyexpiry.bench.servers import MariaDBServer, PostgresServer, RedisServer, find_binary
 from keyexpiry.errors import ConfigError, EmbeddedServerError
 from keyexpiry.ledger.store import T, TaskStatus
 from keyexpiry.redis.embedded import redis_binary
@@ -92,6 +92,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "redis": ver.split()[2] if len(ver.split()) > 2 else "?",
         "mariadb": _server_version(find_binary("mariadbd")),
+        "postgres": _server_version(PostgresServer.find_binary()),
         "redis_py": _version("redis"),
         "hiredis": _version("hiredis"),
         "huey": _version("huey"),
@@ -101,11 +102,13 @@ def machine() -> dict[str, Any]:
 
 @dataclass
 class Servers:
-    """One redis-server and one MariaDB for the whole benchmark."""
+    """One redis-server, and one MariaDB and one PostgreSQL when asked for, for the whole
+    benchmark."""
 
     redis: RedisServer
     mariadb: MariaDBServer | None
     workdir: Path
+    postgres: PostgresServer | None = None
 
     def fresh(self, backend: str) -> tuple[str, str]:
         """Flushed Redis and an empty ledger database; returns (redis_url, db_url)."""
@@ -115,12 +118,15 @@ class Servers:
         if backend == "sqlite":
             path = self.workdir / f"ledger-{secrets.token_hex(3)}.sqlite3"
             return self.redis.url(), f"sqlite:///{path}"
+        if backend == "postgres":
+            assert self.postgres is not None
+            return self.redis.url(), self.postgres.create_database(f"b_{secrets.token_hex(4)}")
         assert self.mariadb is not None
         return self.redis.url(), self.mariadb.create_database(f"b_{secrets.token_hex(4)}")
 
 
 @contextmanager
-def servers(with_mariadb: bool = True) -> Iterator[Servers]:
+def servers(with_mariadb: bool = True, with_postgres: bool = False) -> Iterator[Servers]:
     """Start the servers in a temporary directory; stop and remove them afterwards.
 
     Raises ConfigError, before starting anything, when a server binary is missing.
@@ -131,19 +137,29 @@ def servers(with_mariadb: bool = True) -> Iterator[Servers]:
             f"--backend mariadb needs {' and '.join(missing)} (Debian: apt-get install "
             "mariadb-server); --backend sqlite needs no database server"
         )
+    if with_postgres and PostgresServer.find_binary() is None:
+        raise ConfigError(
+            "--backend postgres needs PostgreSQL (Debian: apt-get install postgresql)"
+        )
     workdir = Path(tempfile.mkdtemp(prefix="keyexpiry-bench-"))
     rs = RedisServer(workdir / "redis", binary=binary)
     maria = None
+    pg = None
     try:
         rs.start()
         if with_mariadb:
             maria = MariaDBServer(workdir / "mariadb")
             maria.start()
-        yield Servers(rs, maria, workdir)
+        if with_postgres:
+            pg = PostgresServer(workdir / "postgres")
+            pg.start()
+        yield Servers(rs, maria, workdir, pg)
     finally:
         rs.stop()
         if maria is not None:
             maria.stop()
+        if pg is not None:
+            pg.destroy()  # its data lives outside workdir (a directory its own user owns)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

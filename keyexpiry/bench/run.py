@@ -93,93 +93,108 @@ def run(
         )
         print(report["peers_skipped"], flush=True)
         peers = False
-    with servers(with_mariadb=backend == "mariadb") as srv:
+    backends = backend.split(",")
+    with servers(with_mariadb="mariadb" in backends, with_postgres="postgres" in backends) as srv:
         for name in names:
             print(f"{name}:", flush=True)
             res: dict[str, Any] = {}
-            if name == "aio":
-                res = aio_bench.run(
-                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+            for i, one in enumerate(backends):
+                if len(backends) > 1:
+                    print(f"  on {one}:", flush=True)
+                # The peers run once: their ledger is not keyexpiry's.
+                got = _scenario(
+                    srv, name, one, runs=runs, size=size, quick=quick, peers=peers and i == 0
                 )
-            elif name == "memory":
-                res = memory_bench.run(
-                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
-                )
-            elif name == "listeners":
-                res = listeners_bench.run(
-                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
-                )
-            elif name == "ledger":
-                rows = 1_000_000 if quick else 10_000_000
-                label = f"rows={rows}"
-                res[label] = _runs(
-                    label, runs, functools.partial(ledger_bench.ledger, srv, backend, rows=rows)
-                )
-                print(ledger_bench.format_queries(res[label]["runs"][-1]), flush=True)
-            elif name == "cluster":
-                res = cluster_bench.run(
-                    srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
-                )
-            elif name == "create":
-                res["default"] = _runs(
-                    "create",
-                    runs,
-                    lambda: scenarios.create_rates(
-                        srv, backend, single=int(5000 * size), bulk=int(100_000 * size)
-                    ),
-                )
-            elif name == "sparse":
-                for others in [100_000] if quick else [100_000, 1_000_000]:
-                    urls = scenarios.prepare_sparse(srv, backend, others)
-                    for driver in (True, False):
-                        label = f"N={others} driver={'on' if driver else 'off'}"
-                        res[label] = _runs(
-                            label,
-                            runs,
-                            functools.partial(
-                                scenarios.due_wave,
-                                srv,
-                                urls,
-                                driver=driver,
-                                n=int(10_000 * size),
-                                span_s=10 * size,
-                                cap_s=60,
-                            ),
-                        )
-            else:
-                # Throughput also runs two listeners: what a second one costs or gains.
-                variants = [(True, 1), (False, 1)] + ([(True, 2)] if name == "throughput" else [])
-                for driver, listeners in variants:
-                    label = f"driver={'on' if driver else 'off'}"
-                    label += f" listeners={listeners}" if listeners > 1 else ""
-                    if name == "steady":
-                        kw: dict[str, Any] = {
-                            "n": int(10_000 * size),
-                            "span_s": 10 * size,
-                            "cap_s": 60,
-                        }
-                    elif name == "burst":
-                        kw = {
-                            "n": int(100_000 * size),
-                            "span_s": 1.0,
-                            "cap_s": 60,
-                            "lead_s": 30 * size,
-                        }
-                    else:  # throughput: everything due at once, rate is what counts
-                        kw = {"n": int(30_000 * size), "span_s": 0.0, "cap_s": 60, "lead_s": 5}
-                    res[label] = _runs(
-                        label,
-                        runs,
-                        functools.partial(
-                            _fresh_wave, srv, backend, driver, {**kw, "listeners": listeners}
-                        ),
-                    )
-                if name == "steady" and peers:
-                    res.update(_peer_runs(srv, runs, kw))
+                res.update(got if len(backends) == 1 else {f"{one} {k}": v for k, v in got.items()})
             report["scenarios"][name] = res
             out.write_text(json.dumps(report, indent=2, default=str))
     print_table(report)
     return report
+
+
+def _scenario(
+    srv: Servers, name: str, backend: str, *, runs: int, size: float, quick: bool, peers: bool
+) -> dict[str, Any]:
+    """Scenario `name`'s figures on one ledger `backend`, by variant."""
+    res: dict[str, Any] = {}
+    if name == "aio":
+        res = aio_bench.run(srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True))
+    elif name == "memory":
+        res = memory_bench.run(
+            srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+        )
+    elif name == "listeners":
+        res = listeners_bench.run(
+            srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+        )
+    elif name == "ledger":
+        rows = 1_000_000 if quick else 10_000_000
+        label = f"rows={rows}"
+        res[label] = _runs(
+            label, runs, functools.partial(ledger_bench.ledger, srv, backend, rows=rows)
+        )
+        print(ledger_bench.format_queries(res[label]["runs"][-1]), flush=True)
+    elif name == "cluster":
+        res = cluster_bench.run(
+            srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+        )
+    elif name == "create":
+        res["default"] = _runs(
+            "create",
+            runs,
+            lambda: scenarios.create_rates(
+                srv, backend, single=int(5000 * size), bulk=int(100_000 * size)
+            ),
+        )
+    elif name == "sparse":
+        for others in [100_000] if quick else [100_000, 1_000_000]:
+            urls = scenarios.prepare_sparse(srv, backend, others)
+            for driver in (True, False):
+                label = f"N={others} driver={'on' if driver else 'off'}"
+                res[label] = _runs(
+                    label,
+                    runs,
+                    functools.partial(
+                        scenarios.due_wave,
+                        srv,
+                        urls,
+                        driver=driver,
+                        n=int(10_000 * size),
+                        span_s=10 * size,
+                        cap_s=60,
+                    ),
+                )
+    else:
+        # Throughput also runs two listeners: what a second one costs or gains.
+        variants = [(True, 1), (False, 1)] + ([(True, 2)] if name == "throughput" else [])
+        for driver, listeners in variants:
+            label = f"driver={'on' if driver else 'off'}"
+            label += f" listeners={listeners}" if listeners > 1 else ""
+            if name == "steady":
+                kw: dict[str, Any] = {
+                    "n": int(10_000 * size),
+                    "span_s": 10 * size,
+                    "cap_s": 60,
+                }
+            elif name == "burst":
+                kw = {
+                    "n": int(100_000 * size),
+                    "span_s": 1.0,
+                    "cap_s": 60,
+                    "lead_s": 30 * size,
+                }
+            else:  # throughput: everything due at once, rate is what counts
+                kw = {"n": int(30_000 * size), "span_s": 0.0, "cap_s": 60, "lead_s": 5}
+            res[label] = _runs(
+                label,
+                runs,
+                functools.partial(
+                    _fresh_wave, srv, backend, driver, {**kw, "listeners": listeners}
+                ),
+            )
+        if name == "steady" and peers:
+            res.update(_peer_runs(srv, runs, kw))
+    return res
 
 
 COLUMNS = (

@@ -18,7 +18,13 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from keyexpiry.errors import StoreError
-from keyexpiry.ledger.table import LiteralUpsert, autocommit_engine, upsert_statement
+from keyexpiry.ledger.table import (
+    LiteralUpsert,
+    autocommit_engine,
+    error_code,
+    not_serving,
+    upsert_statement,
+)
 from keyexpiry.masking import mask_url
 
 R = TypeVar("R")
@@ -29,26 +35,23 @@ _NO_PARAMETERS = {"no_parameters": True}
 _MYSQL_LOCK_WAIT_TIMEOUT = 1205  # ER_LOCK_WAIT_TIMEOUT: only the statement was rolled back
 
 
-def _error_code(exc: SQLAlchemyError) -> int | None:
-    """The MySQL/MariaDB error number behind `exc` (PyMySQL puts it first in `args`)."""
-    args = getattr(getattr(exc, "orig", None), "args", ())
-    return args[0] if args and isinstance(args[0], int) else None
-
-
-# InnoDB deadlock: the server rolled the transaction back and expects the client to run it again
-# (a create rescheduling a key deadlocks with a claim of the same row). A lock wait timeout is
-# not retried here: the claimer splits its batch around the locked row instead.
-_ROLLED_BACK_BY_SERVER = {1213}
+# The server rolled the transaction back and expects the client to run it again: InnoDB's
+# deadlock (a create rescheduling a key deadlocks with a claim of the same row), which is also
+# how Galera reports a transaction that lost certification against another node's ("Deadlock:
+# wsrep aborted transaction"); PostgreSQL's deadlock and serialization failure. A lock wait
+# timeout is not retried here: the claimer splits its batch around the locked row instead.
+_ROLLED_BACK_BY_SERVER: frozenset[int | str] = frozenset({1213, "40P01", "40001"})
+_LOCK_WAIT_TIMEOUTS: frozenset[int | str] = frozenset({_MYSQL_LOCK_WAIT_TIMEOUT, "55P03"})
 
 
 def _rolled_back_by_server(exc: StoreError) -> bool:
-    args: tuple[object, ...] = getattr(getattr(exc.__cause__, "orig", None), "args", ())
-    return bool(args) and args[0] in _ROLLED_BACK_BY_SERVER
+    return error_code(exc.__cause__) in _ROLLED_BACK_BY_SERVER
 
 
 def worth_retrying(exc: StoreError) -> bool:
-    """Whether what failed may simply run again: its connection was dead, or MariaDB chose it
-    as a deadlock's victim (either way nothing of it was committed, or it is idempotent)."""
+    """Whether what failed may simply run again: its connection was dead (or its server not
+    serving), or the server chose it as a deadlock's victim or rolled it back for a conflict
+    (either way nothing of it was committed, or it is idempotent)."""
     return exc.disconnected or _rolled_back_by_server(exc)
 
 
@@ -129,6 +132,8 @@ class Ledger:
         self._upsert = upsert_statement(engine.dialect.name)
         # PyMySQL only: another driver keeps the bound upsert (and its own escaping).
         pymysql = engine.dialect.driver == "pymysql"
+        self.postgres = engine.dialect.name == "postgresql"
+        """Whether the ledger is on PostgreSQL (its claims and creates use RETURNING)."""
         self._literal_upserts = pymysql
         # A statement sent and its reply read apart (`_pipelined`): PyMySQL's own two halves of
         # `Connection.query`, private names, so checked once here rather than trusted.
@@ -136,7 +141,7 @@ class Ledger:
             hasattr(PyMySQLConnection, name) for name in ("_execute_command", "next_result")
         )
         self._literal_upsert: LiteralUpsert | None = None
-        self._autocommit = autocommit_engine(engine) if pymysql else None
+        self._autocommit = autocommit_engine(engine) if pymysql or self.postgres else None
         self._url = mask_url(engine.url.render_as_string(hide_password=True))
         self._schema_lock = threading.Lock()
         self._prepared: dict[Hashable, Prepared] = {}
@@ -221,10 +226,14 @@ class Ledger:
             raise self._store_error(exc) from exc
 
     def kill_session(self, session_id: int) -> None:
-        """End a MySQL/MariaDB session of this ledger (`KILL CONNECTION`): the server rolls its
-        transaction back and releases its locks. One already gone is no error."""
+        """End a session of this ledger (`KILL CONNECTION` on MySQL/MariaDB, a backend's
+        `pg_terminate_backend` on PostgreSQL): the server rolls its transaction back and
+        releases its locks. One already gone is no error."""
         try:
             with self._tx() as conn:
+                if self.postgres:
+                    conn.exec_driver_sql(f"SELECT pg_terminate_backend({int(session_id)})")
+                    return
                 conn.exec_driver_sql(f"KILL CONNECTION {int(session_id)}")
         except StoreError as exc:
             if "Unknown thread id" not in str(exc):
@@ -261,7 +270,7 @@ class Ledger:
                 affected += int(dbapi.next_result())
                 awaiting = False
             except dialect.loaded_dbapi.Error as exc:
-                gone = dialect.is_disconnect(exc, dbapi, None)
+                gone = dialect.is_disconnect(exc, dbapi, None) or not_serving(exc)
                 wrapped = DBAPIError.instance(
                     sql[:300], None, exc, dialect.loaded_dbapi.Error,
                     connection_invalidated=gone, dialect=dialect,
@@ -309,7 +318,7 @@ class Ledger:
                 None,
                 exc,
                 dialect.loaded_dbapi.Error,
-                connection_invalidated=dialect.is_disconnect(exc, None, None),
+                connection_invalidated=dialect.is_disconnect(exc, None, None) or not_serving(exc),
                 dialect=dialect,
             )
             raise self._store_error(wrapped) from wrapped
@@ -320,7 +329,7 @@ class Ledger:
             cursor.execute(statement)
             return int(cursor.rowcount)
         except dialect.loaded_dbapi.Error as exc:
-            gone = dialect.is_disconnect(exc, raw.dbapi_connection, cursor)
+            gone = dialect.is_disconnect(exc, raw.dbapi_connection, cursor) or not_serving(exc)
             if gone:
                 raw.invalidate(exc)
             wrapped = DBAPIError.instance(
@@ -341,7 +350,7 @@ class Ledger:
         detail = str(getattr(exc, "orig", None) or exc).splitlines()[0][:300]
         error = StoreError(f"database {self._url}: {detail}")
         error.disconnected = bool(getattr(exc, "connection_invalidated", False))
-        error.lock_timeout = _error_code(exc) == _MYSQL_LOCK_WAIT_TIMEOUT
+        error.lock_timeout = error_code(exc) in _LOCK_WAIT_TIMEOUTS
         return error
 
 

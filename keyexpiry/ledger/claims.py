@@ -11,7 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import ClauseElement, Connection, Text, bindparam, case, select, update
+from sqlalchemy import (
+    ClauseElement,
+    Connection,
+    Select,
+    Text,
+    Update,
+    bindparam,
+    case,
+    select,
+    update,
+)
 from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.ledger.base import Ledger, retried_once
@@ -23,7 +33,7 @@ from keyexpiry.ledger.rows import (
     TaskStatus,
     claimed_row_from_db,
 )
-from keyexpiry.ledger.table import T, with_earlier_errors
+from keyexpiry.ledger.table import T, storable_text, with_earlier_errors
 
 _X = TypeVar("_X")
 
@@ -61,7 +71,7 @@ def _lists(values: Sequence[_X]) -> Iterator[list[_X]]:
         yield part
 
 
-def _claim_update(size: int) -> ClauseElement:
+def _claim_update(size: int) -> Update:
     return (
         update(T)
         .where(
@@ -81,14 +91,32 @@ def _claim_update(size: int) -> ClauseElement:
     )
 
 
-def _claimed_rows(size: int) -> ClauseElement:
+_READ_BACK = [c for c in T.c if c.name not in CLAIM_SETS | CLAIM_SKIPS]
+
+
+def _claimed_rows(size: int) -> Select[Any]:
     # Found by key (the unique index), then checked for the claim's token: the running rows of
     # the whole fleet are never walked.
-    return select(*[c for c in T.c if c.name not in CLAIM_SETS | CLAIM_SKIPS]).where(
+    return select(*_READ_BACK).where(
         T.c.task_key.in_([bindparam(name) for name in _KEY[:size]]),
         T.c.claimed_by == bindparam("token"),
         T.c.status == TaskStatus.RUNNING.value,
     )
+
+
+def _claim_returning(size: int) -> ClauseElement:
+    """PostgreSQL's claim in one statement (one round trip, autocommitted): the UPDATE returns
+    the rows it took, and the rows of `keys` a claim under the same token took before (a repeat
+    after a lost reply) come from the statement's snapshot, taken before the UPDATE, so no row
+    is read twice.
+
+    Not `SELECT … FOR UPDATE SKIP LOCKED`: the listener claims the keys its events name (and the
+    due rows a scan found), not whatever rows are next, and a row another listener is claiming
+    right now is one this listener must not run anyway; the UPDATE's row lock is enough, and
+    its WHERE is checked again on the row version the other claim committed.
+    """
+    claimed = _claim_update(size).returning(*_READ_BACK).cte("claimed")
+    return select(*claimed.c).union_all(_claimed_rows(size))
 
 
 def _record_done(size: int, with_results: bool = False) -> ClauseElement:
@@ -182,6 +210,9 @@ class ClaimQueries(Ledger):
         every = sorted({_size(n) for n in range(1, _MAX_LIST + 1)})
         claims = [size for size in every if size <= _size(min(max_batch, _MAX_LIST))]
         for size in claims:
+            if self.postgres:
+                self._prepare(_claim_returning, size)
+                continue
             self._prepare(_claim_update, size)
             self._prepare(_claimed_rows, size)
         for size in every:
@@ -205,6 +236,8 @@ class ClaimQueries(Ledger):
         if not keys:
             return []
         parts = list(_lists(keys))
+        if self.postgres:
+            return self._claim_returning(parts, now_ms, lease_until_ms, token)
         # Autocommitted statements: a row a create resets between the UPDATE and the SELECT is
         # not read back; it runs at its new due time, and not for the old one as well.
         with self._statements() as conn:
@@ -233,6 +266,28 @@ class ClaimQueries(Ledger):
                 r, prefix, token=token, now_ms=now_ms, lease_until_ms=lease_until_ms
             )
             for r in rows
+        ]
+
+    def _claim_returning(
+        self, parts: list[list[str]], now_ms: int, lease_until_ms: int, token: str
+    ) -> list[TaskRow]:
+        found: dict[int, Any] = {}
+        with self._statements() as conn:
+            for part in parts:
+                values = {
+                    **dict(zip(_KEY, part, strict=False)),
+                    "now": now_ms,
+                    "token": token,
+                    "lease": lease_until_ms,
+                }
+                for row in self._prepare(_claim_returning, len(part)).run(conn, values):
+                    found[row.id] = row  # by id: a key given twice, in two lists, is one run
+        prefix = self.key_prefix
+        return [
+            claimed_row_from_db(
+                r, prefix, token=token, now_ms=now_ms, lease_until_ms=lease_until_ms
+            )
+            for r in found.values()
         ]
 
     @retried_once
@@ -293,7 +348,7 @@ class ClaimQueries(Ledger):
                 "b_status": o.status.value,
                 "b_finished": o.finished_at_ms,
                 "b_due": o.due_at_ms,
-                "b_error": o.last_error,
+                "b_error": storable_text(o.last_error),
                 "b_result": o.result,
                 "b_now": now_ms,
             }

@@ -108,7 +108,8 @@ def drop_retired_indexes(conn: Connection, retired: dict[str, str] | None = None
     for name, replacement in sorted(retired.items()):
         if name in present and replacement in present:
             quote = conn.dialect.identifier_preparer.quote
-            on_table = "" if conn.dialect.name == "sqlite" else f" ON {quote(T.name)}"
+            # MySQL/MariaDB name an index within its table; SQLite and PostgreSQL, the schema.
+            on_table = f" ON {quote(T.name)}" if conn.dialect.name in ("mysql", "mariadb") else ""
             conn.execute(text(f"DROP INDEX {quote(name)}{on_table}"))
             dropped.append(name)
     return dropped

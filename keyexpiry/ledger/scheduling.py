@@ -144,9 +144,11 @@ class ScheduleQueries(Ledger):
         for _ in range(3):
             try:
                 with self._wrapped():
-                    return self._schedule_on(conn, tasks, rules, now_ms)
+                    return self._schedule_on(conn, tasks, rules, now_ms, nested=self.postgres)
             except _Raced:
-                # MySQL and SQLite undo only the failed INSERT: read again, the row is there now.
+                # MySQL and SQLite undo only the failed INSERT (on PostgreSQL, whose failed
+                # statement aborts the whole transaction, its savepoint is rolled back): read
+                # again, the row is there now.
                 continue
         raise StoreError("a task's key kept being created concurrently")
 
@@ -158,7 +160,13 @@ class ScheduleQueries(Ledger):
             raise self._store_error(exc) from exc
 
     def _schedule_on(
-        self, conn: Connection, tasks: Sequence[NewTask], rules: Sequence[IfExists], now_ms: int
+        self,
+        conn: Connection,
+        tasks: Sequence[NewTask],
+        rules: Sequence[IfExists],
+        now_ms: int,
+        *,
+        nested: bool = False,
     ) -> list[tuple[Did, int]]:
         prior = self._locked_rows(conn, [t.key for t in tasks])
         result: list[tuple[Did, int]] = []
@@ -175,8 +183,13 @@ class ScheduleQueries(Ledger):
         if fresh:
             # A plain INSERT: a row created since the read fails it (and the read is redone),
             # where an upsert would overwrite a task the rule may have had to keep.
+            rows = [self._bound_row(t, now_ms) for t in fresh]
             try:
-                conn.execute(insert(T), [self._bound_row(t, now_ms) for t in fresh])
+                if nested:
+                    with conn.begin_nested():
+                        conn.execute(insert(T), rows)
+                else:
+                    conn.execute(insert(T), rows)
             except IntegrityError:
                 raise _Raced() from None
         if reset:

@@ -14,7 +14,17 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 from loguru import logger
-from sqlalchemy import ColumnElement, Connection, and_, func, inspect, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    and_,
+    func,
+    inspect,
+    literal_column,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from keyexpiry.errors import StoreError
@@ -55,6 +65,20 @@ __all__ = [
     "metadata",
     "time_limit_task",
 ]
+
+
+def _distinct_keys(tasks: Sequence[NewTask]) -> Iterator[list[NewTask]]:
+    """`tasks` in groups where no key appears twice, in order (all of them, usually, at once)."""
+    rest = list(tasks)
+    while rest:
+        seen: set[str] = set()
+        group: list[NewTask] = []
+        later: list[NewTask] = []
+        for t in rest:
+            (later if t.key in seen else group).append(t)
+            seen.add(t.key)
+        yield group
+        rest = later
 
 
 class _Mixed(Exception):
@@ -149,6 +173,8 @@ class Store(
             return []
         if self.engine.dialect.name == "sqlite":
             return self._upsert_sqlite(tasks, now_ms)
+        if self.postgres:
+            return self._upsert_returning(tasks, now_ms)
         if not self._literal_upserts:
             # MySQL drivers other than PyMySQL: what existed is read first, in the transaction.
             return self.schedule(tasks, [IfExists.REPLACE] * len(tasks), now_ms)
@@ -215,6 +241,27 @@ class Store(
         except _Mixed:
             # Rolled back: done again with the rows read first (a mix is the rare bulk create).
             return self.schedule(taken, [IfExists.REPLACE] * len(taken), now_ms)
+
+    def _upsert_returning(self, tasks: Sequence[NewTask], now_ms: int) -> list[tuple[Did, int]]:
+        # PostgreSQL: the upsert returns each row's key and whether it was inserted (`xmax` is 0
+        # in a row version no transaction has locked or replaced, as only a fresh insert is),
+        # in one round trip: a single create on the autocommit pool, a bulk one as multi-row
+        # VALUES (SQLAlchemy's "insertmanyvalues", 1,000 rows a statement). A statement may not
+        # touch one row twice ("ON CONFLICT DO UPDATE command cannot affect row a second
+        # time"): a key given again goes in a later statement, so the later create wins.
+        statement = self._upsert.returning(
+            T.c.task_key, literal_column("xmax = 0").label("inserted")
+        )
+        inserted: dict[str, list[bool]] = {}
+        with self._statements() if len(tasks) == 1 else self._tx() as conn:
+            for group in _distinct_keys(tasks):
+                result = conn.execute(statement, [self._bound_row(t, now_ms) for t in group])
+                for key, new in result:
+                    inserted.setdefault(str(key), []).append(bool(new))
+        # A key given twice was written in order, one statement each: its answers in order too.
+        return [
+            (Did.CREATED if inserted[t.key].pop(0) else Did.REPLACED, t.due_at_ms) for t in tasks
+        ]
 
     def _upsert_sqlite(self, tasks: Sequence[NewTask], now_ms: int) -> list[tuple[Did, int]]:
         # Under the write lock from the start, the rows inserted are those whose id passes the

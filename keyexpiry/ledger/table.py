@@ -26,7 +26,7 @@ from sqlalchemy import (
     literal_column,
     null,
 )
-from sqlalchemy.dialects import mysql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -38,17 +38,24 @@ from keyexpiry.tags import TAG_MAX_CHARS
 TABLE_NAME = "time_limit_task"
 metadata = MetaData()
 # Keys are escaped to printable ASCII; a binary ASCII collation keeps them case-sensitive and lets
-# a 512-byte unique index fit InnoDB's limit.
-_KEY_TYPE = String(512).with_variant(
-    mysql.VARCHAR(512, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
+# a 512-byte unique index fit InnoDB's limit. On PostgreSQL the "C" collation compares bytes, and
+# lets a B-tree index serve a `LIKE 'prefix%'` (a class's keys) whatever the database's locale.
+_KEY_TYPE = (
+    String(512)
+    .with_variant(mysql.VARCHAR(512, charset="ascii", collation="ascii_bin"), "mysql", "mariadb")
+    .with_variant(postgresql.VARCHAR(512, collation="C"), "postgresql")
 )
 _ID_TYPE = BigInteger().with_variant(Integer(), "sqlite")
 _TEXT_TYPE = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
 # Tags compare byte for byte on every backend, as on SQLite: `Order:1` is not `order:1`.
-_TAG_TYPE = String(TAG_MAX_CHARS).with_variant(
-    mysql.VARCHAR(TAG_MAX_CHARS, charset="utf8mb4", collation="utf8mb4_bin"),
-    "mysql",
-    "mariadb",
+_TAG_TYPE = (
+    String(TAG_MAX_CHARS)
+    .with_variant(
+        mysql.VARCHAR(TAG_MAX_CHARS, charset="utf8mb4", collation="utf8mb4_bin"),
+        "mysql",
+        "mariadb",
+    )
+    .with_variant(postgresql.VARCHAR(TAG_MAX_CHARS, collation="C"), "postgresql")
 )
 
 time_limit_task = Table(
@@ -131,9 +138,49 @@ L = keyexpiry_listener
 
 _LOCK_WAIT_MAX_S = 5
 
+
+def error_code(exc: BaseException | None) -> int | str | None:
+    """The error behind `exc` (a SQLAlchemy error or the driver's own): MySQL/MariaDB's number
+    (PyMySQL puts it first in `args`) or PostgreSQL's SQLSTATE (psycopg's `sqlstate`)."""
+    orig = getattr(exc, "orig", None) or exc
+    sqlstate = getattr(orig, "sqlstate", None)
+    if isinstance(sqlstate, str):
+        return sqlstate
+    args = getattr(orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+# A server that cannot take statements on this connection, whatever the statement: a Galera node
+# cut off from its cluster's primary component ("WSREP has not yet prepared node for application
+# use", 1047), a PostgreSQL standby (25006: read-only transaction, e.g. a failover's old primary
+# come back as one) or a server shutting down (57P01-57P03). The connection is no use: it counts
+# as disconnected, so the pool drops it and a new one goes where the proxy or the multi-host URL
+# points now, and the statement is retried once like any other on a dead connection.
+_SERVER_NOT_SERVING: frozenset[int | str] = frozenset({1047, "25006", "57P01", "57P02", "57P03"})
+
+
+def not_serving(exc: BaseException | None) -> bool:
+    """Whether `exc` says its connection's server takes no statements (`_SERVER_NOT_SERVING`)."""
+    return error_code(exc) in _SERVER_NOT_SERVING
+
+
+def _not_serving_is_a_disconnect(context: Any) -> None:
+    # SQLAlchemy's own hook: a disconnect invalidates the connection (and the pool's older ones).
+    if not_serving(context.original_exception):
+        context.is_disconnect = True
+
+
 ERROR_HISTORY_MAX_CHARS = 32_000
 EARLIER_ERRORS = "\n--- earlier attempts ---\n"
 """Between a failed run's error and the errors of the attempts before it (newest first)."""
+
+
+def storable_text(text: str | None) -> str | None:
+    """`text` (an error message: from a handler's exception, anything) as every ledger can hold
+    it: a NUL character, which PostgreSQL's text refuses (the whole record would fail), written
+    as the two characters backslash and 0. The same on every engine: an error reads the same
+    anywhere."""
+    return text.replace("\x00", "\\0") if text is not None and "\x00" in text else text
 
 
 def with_earlier_errors(new: Any) -> Any:
@@ -146,7 +193,8 @@ def with_earlier_errors(new: Any) -> Any:
 
 
 def make_engine(url: str) -> Engine:
-    """An engine tuned for the ledger: SQLite in WAL mode with a busy timeout, MySQL pre-pinged."""
+    """An engine tuned for the ledger: SQLite in WAL mode with a busy timeout; MySQL/MariaDB and
+    PostgreSQL in READ COMMITTED with short lock waits."""
     try:
         if url.startswith("sqlite"):
             engine = create_engine(
@@ -176,7 +224,8 @@ def make_engine(url: str) -> Engine:
             isolation_level="READ COMMITTED",
         )
 
-        event.listen(engine, "connect", _short_lock_waits)
+        event.listen(engine, "connect", _session_setup(engine.dialect.name))
+        event.listen(engine, "handle_error", _not_serving_is_a_disconnect)
         return engine
     except (SQLAlchemyError, ImportError, ValueError) as exc:
         raise StoreError(f"cannot use database {mask_url(url)}: {redact(str(exc), url)}") from None
@@ -192,6 +241,25 @@ def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
         f"LEAST(@@GLOBAL.innodb_lock_wait_timeout, {_LOCK_WAIT_MAX_S})"
     )
     cur.close()
+
+
+def _short_lock_waits_pg(dbapi_conn: Any, _record: Any) -> None:
+    # As `_short_lock_waits`, with PostgreSQL's `lock_timeout` (0: wait for ever). Committed:
+    # psycopg runs it in a transaction, whose rollback on return to the pool would undo it.
+    cur = dbapi_conn.cursor()
+    cur.execute(
+        "SELECT set_config('lock_timeout', CASE WHEN current_setting('lock_timeout')::interval"
+        f" BETWEEN interval '1 ms' AND interval '{_LOCK_WAIT_MAX_S} s'"
+        f" THEN current_setting('lock_timeout') ELSE '{_LOCK_WAIT_MAX_S}s' END, false)"
+    )
+    cur.close()
+    if not dbapi_conn.autocommit:
+        dbapi_conn.commit()
+
+
+def _session_setup(dialect: str) -> Callable[[Any, Any], None]:
+    """The settings a new connection of `dialect`'s server gets (`_short_lock_waits`)."""
+    return _short_lock_waits_pg if dialect == "postgresql" else _short_lock_waits
 
 
 def _read_committed(dbapi_conn: Any, _record: Any) -> None:
@@ -214,14 +282,15 @@ def _changed_rows_only(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[s
 
 
 def autocommit_engine(engine: Engine) -> Engine | None:
-    """A second pool on `engine`'s MySQL/MariaDB database whose connections stay in autocommit,
-    for statements that are a whole transaction by themselves (creating one task).
+    """A second pool on `engine`'s MySQL/MariaDB or PostgreSQL database whose connections stay in
+    autocommit, for statements that are a whole transaction by themselves (creating one task).
 
     On the main pool such a statement costs two round trips (it, then COMMIT); here it costs
     one, and returning the connection sends nothing (no ROLLBACK). Switching a pooled connection
-    to autocommit and back would cost more round trips than it saves. None on SQLite (no round
-    trips to save) and on SQLAlchemy before 2.0.43 (no `skip_autocommit_rollback`: closing the
-    connection would send a ROLLBACK, as costly as the COMMIT saved).
+    to autocommit and back would cost more round trips than it saves (psycopg sends a BEGIN of its
+    own before a transaction's first statement: three round trips saved to one). None on SQLite
+    (no round trips to save) and on SQLAlchemy before 2.0.43 (no `skip_autocommit_rollback`:
+    closing the connection would send a ROLLBACK, as costly as the COMMIT saved).
     """
     if engine.dialect.name == "sqlite":
         return None
@@ -237,9 +306,14 @@ def autocommit_engine(engine: Engine) -> Engine | None:
         )
     except TypeError:
         return None
-    event.listen(auto, "do_connect", _changed_rows_only)
-    event.listen(auto, "connect", _short_lock_waits)
-    event.listen(auto, "connect", _read_committed)
+    if engine.dialect.name == "postgresql":
+        # READ COMMITTED is PostgreSQL's default, and each statement here is a transaction.
+        event.listen(auto, "connect", _short_lock_waits_pg)
+    else:
+        event.listen(auto, "do_connect", _changed_rows_only)
+        event.listen(auto, "connect", _short_lock_waits)
+        event.listen(auto, "connect", _read_committed)
+    event.listen(auto, "handle_error", _not_serving_is_a_disconnect)
     # Whoever closes the ledger disposes of its engine; this pool goes with it.
     event.listen(engine, "engine_disposed", lambda _engine: auto.dispose())
     return auto
@@ -296,13 +370,14 @@ and an inserted row takes the NULLs as its columns' default."""
 
 def upsert_statement(dialect: str) -> Any:
     """INSERT … ON CONFLICT/DUPLICATE KEY UPDATE for `dialect`, built once per store."""
-    if dialect == "sqlite":
-        ins = sqlite.insert(T)
+    if dialect in ("sqlite", "postgresql"):
+        ins: Any = sqlite.insert(T) if dialect == "sqlite" else postgresql.insert(T)
         return ins.on_conflict_do_update(
             index_elements=[T.c.task_key],
             set_={
                 **{c: ins.excluded[c] for c in _RESET_ON_CREATE},
-                # The same rows on both ledgers (SQLite tells inserts apart by id).
+                # The same rows on every ledger (SQLite tells inserts apart by id, PostgreSQL by
+                # the row version `xmax`).
                 "updated_at_ms": _moved_on(ins.excluded.updated_at_ms),
                 "tag": _kept_tag(ins.excluded.tag),
             },

@@ -96,6 +96,13 @@ def database_identity(conn: Connection) -> tuple[str, ...]:
     elif name in ("mysql", "mariadb"):
         host, port, schema = conn.exec_driver_sql("SELECT @@hostname, @@port, DATABASE()").one()
         ident = ("mysql", str(host), str(port), str(schema))
+    elif name == "postgresql":
+        # The cluster's system identifier, which a streaming replica shares with its primary:
+        # a multi-host URL names the same database before and after a failover.
+        system, database = conn.exec_driver_sql(
+            "SELECT (SELECT system_identifier FROM pg_control_system()), current_database()"
+        ).one()
+        ident = ("postgresql", str(system), str(database))
     else:
         url = engine.url
         ident = (name, str(url.host), str(url.port), str(url.database))

@@ -168,7 +168,12 @@ def _clock_check(client: redis.Redis, store: Store) -> Check:
     if store.engine.dialect.name != "sqlite":
         try:
             with store.engine.connect() as conn:
-                db_s = conn.execute(text("SELECT UNIX_TIMESTAMP(NOW(3))")).scalar_one()
+                now_s = (
+                    "SELECT EXTRACT(EPOCH FROM clock_timestamp())"
+                    if store.engine.dialect.name == "postgresql"
+                    else "SELECT UNIX_TIMESTAMP(NOW(3))"
+                )
+                db_s = conn.execute(text(now_s)).scalar_one()
             parts.append(f"database {float(db_s) * 1000 - host_ms:+.0f} ms")
         except Exception as exc:
             parts.append(f"database unknown ({type(exc).__name__})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from loguru import logger
 from sqlalchemy import Connection
@@ -88,13 +89,19 @@ def run_in_transaction(
 
 def _ender(rt: Runtime, conn: Connection) -> Callable[[], None]:
     """What ends `conn`'s transaction from another thread once its run is abandoned, so a hung
-    handler's locks go with its timeout: on MySQL/MariaDB a KILL of its session (the server
-    rolls back); elsewhere nothing can (SQLite: the handler's thread ends it when it returns)."""
-    thread_id = getattr(conn.connection.driver_connection, "thread_id", None)
-    if conn.dialect.name not in ("mysql", "mariadb") or thread_id is None:
+    handler's locks go with its timeout: on MySQL/MariaDB a KILL of its session, on PostgreSQL a
+    termination of its backend (the server rolls back); elsewhere nothing can (SQLite: the
+    handler's thread ends it when it returns)."""
+    driver: Any = conn.connection.driver_connection
+    session: int | None = None
+    if conn.dialect.name in ("mysql", "mariadb") and hasattr(driver, "thread_id"):
+        session = int(driver.thread_id())
+    elif conn.dialect.name == "postgresql" and hasattr(driver, "info"):
+        session = int(driver.info.backend_pid)
+    if session is None:
         return lambda: None
-    session = int(thread_id())
-    return lambda: rt.store.kill_session(session)
+    killed = session
+    return lambda: rt.store.kill_session(killed)
 
 
 def _rollback(conn: Connection) -> None:

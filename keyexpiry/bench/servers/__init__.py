@@ -1,5 +1,5 @@
-"""Real Redis and MariaDB servers (a Galera cluster and HAProxy too) for the test suite and the
-benchmark.
+"""Real Redis, MariaDB and PostgreSQL servers (a Galera cluster and HAProxy too) for the test suite
+and the benchmark.
 
 Every server runs as a child process on a free loopback port with its files in a caller-supplied
 work directory, so tests (and xdist workers) never share state with each other or with anything
@@ -10,6 +10,7 @@ installed on the machine. Nothing here sleeps for a fixed time: all waiting goes
 from keyexpiry.bench.servers.galera import GaleraNode, LocalGalera
 from keyexpiry.bench.servers.haproxy import HAProxy
 from keyexpiry.bench.servers.mariadb import MariaDBServer, lock_waits
+from keyexpiry.bench.servers.postgres import PostgresServer, find_bindir
 from keyexpiry.bench.servers.process import (
     LOOPBACK,
     ServerError,
@@ -25,9 +26,11 @@ __all__ = [
     "HAProxy",
     "LocalGalera",
     "MariaDBServer",
+    "PostgresServer",
     "RedisServer",
     "ServerError",
     "find_binary",
+    "find_bindir",
     "free_port",
     "lock_waits",
     "wait_until",
