@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import datetime as dt
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from keyexpiry.errors import (
     ArgumentError,
     KeyExpiryError,
     RedisUnavailableError,
+    StoreError,
     UnknownTaskError,
 )
 from keyexpiry.keys import braces_unescaped, clip, format_key, shorten
@@ -171,7 +173,8 @@ class Client:
             rest = iter(requests)
             try:
                 # Rows are sent while the requests after them are still being checked.
-                tasks, done = self.store.upsert_streamed(batch.plain(rest), now_ms)
+                with _saying_what_was_recorded(lambda: list(batch.new)):
+                    tasks, done = self.store.upsert_streamed(batch.plain(rest), now_ms)
             except _NotPlain:
                 batch.add_all(rest)  # rolled back: the general path below, with every request
             else:
@@ -190,11 +193,14 @@ class Client:
             return _scheduled(tasks, done)
         # Row first: a row without a key is repaired by reconciliation; a key without a row
         # would never run.
+        keys = [t.key for t in tasks]
         if not rules:
-            done = self.store.upsert_pending(tasks, now_ms)
+            with _saying_what_was_recorded(lambda: keys):
+                done = self.store.upsert_pending(tasks, now_ms)
             self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
         else:
-            done = self.store.schedule(tasks, order, now_ms)
+            with _saying_what_was_recorded(lambda: keys):
+                done = self.store.schedule(tasks, order, now_ms)
             pairs = zip(tasks, done, strict=True)
             self._arm([(t.key, t.due_at_ms) for t, d in pairs if d[0] is not Did.KEPT], now_ms)
         return _scheduled(tasks, done)
@@ -490,3 +496,27 @@ def due_at_ms(
         return now_ms + int(ttl_ms)
     ttl = limits.number(ttl_s, "ttl_s", low=0, high=limits.MAX_HORIZON_S, error=ArgumentError)
     return now_ms + round(ttl * 1000)
+
+
+@contextlib.contextmanager
+def _saying_what_was_recorded(keys: Callable[[], Sequence[str]]) -> Iterator[None]:
+    """A create's StoreError, saying what became of its tasks: not recorded (nothing written),
+    or perhaps recorded (the ledger's answer was lost: creating them again is safe, the same
+    keys are the same rows, and a recorded one runs even without its Redis key, armed by a
+    listener's overdue check). `keys`: the tasks' keys, read when the error is raised."""
+    try:
+        yield
+    except StoreError as exc:
+        named = list(keys())
+        what = f"task {named[0]}" if len(named) == 1 else f"{len(named)} tasks"
+        if exc.maybe_applied:
+            state = (
+                "may have been recorded (the ledger's answer was lost); creating it again is "
+                "safe (same key, same row)"
+            )
+        else:
+            state = "not recorded (nothing was written); create it again once the ledger answers"
+        error = StoreError(f"{what}: {state}: {exc}")
+        error.disconnected, error.lock_timeout = exc.disconnected, exc.lock_timeout
+        error.maybe_applied = exc.maybe_applied
+        raise error from exc

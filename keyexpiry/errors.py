@@ -36,6 +36,9 @@ class StoreError(KeyExpiryError):
     """True when the connection was lost (the statement may be retried on a new one)."""
     lock_timeout: bool = False
     """True when a row lock held by another transaction outlasted the server's lock wait."""
+    maybe_applied: bool = False
+    """True when the connection was lost after the statement or COMMIT reached the server: it
+    may have been committed (its answer is what was lost)."""
 
 
 class RedisUnavailableError(KeyExpiryError):

@@ -532,3 +532,11 @@ def test_on_postgres_a_read_only_server_drops_the_connection_and_says_so(pg_url:
             conn.commit()
         admin.dispose()
     store.engine.dispose()
+
+
+def test_a_postgres_url_without_a_driver_means_psycopg(pg_url: str) -> None:
+    for scheme in ("postgresql://", "postgres://"):
+        store = Store(make_engine(pg_url.replace("postgresql+psycopg://", scheme)))
+        assert store.engine.dialect.driver == "psycopg"
+        store.ping()
+        store.engine.dispose()

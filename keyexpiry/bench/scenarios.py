@@ -146,12 +146,19 @@ def _max_attempts(client: Client) -> int:
     return int(got or 0)
 
 
+def _autocommit(driver: Any, engine: str, on: bool) -> None:
+    if engine == "postgresql":
+        driver.autocommit = on  # psycopg: an attribute
+    elif engine != "sqlite":
+        driver.autocommit(on)  # PyMySQL: a method
+
+
 @contextlib.contextmanager
 def _bare_round_trips(client: Client) -> Iterator[Callable[[], None]]:
     """A call that makes the two round trips a create cannot do without, and nothing else: a
     no-op statement on a held ledger connection, committed by the server as it runs (as a
     single create's upsert is on MySQL/MariaDB), then a PING on a held Redis connection."""
-    sqlite = client.store.engine.dialect.name == "sqlite"
+    engine = client.store.engine.dialect.name
     raw = client.store.engine.raw_connection()
     driver: Any = raw.driver_connection
     pool = client.redis.connection_pool
@@ -159,9 +166,9 @@ def _bare_round_trips(client: Client) -> Iterator[Callable[[], None]]:
     cursor = None
     try:
         cursor = raw.cursor()
-        if not sqlite:
-            driver.autocommit(True)  # set back below: the connection goes back to the pool
-        no_op = "SELECT 1" if sqlite else "DO 1"
+        # Set back below: the connection goes back to the pool.
+        _autocommit(driver, engine, True)
+        no_op = "DO 1" if engine in ("mysql", "mariadb") else "SELECT 1"
 
         def bare() -> None:
             cursor.execute(no_op)
@@ -173,8 +180,7 @@ def _bare_round_trips(client: Client) -> Iterator[Callable[[], None]]:
     finally:
         if cursor is not None:
             cursor.close()
-        if not sqlite:
-            driver.autocommit(False)
+        _autocommit(driver, engine, False)
         pool.release(conn)
         raw.close()
 

@@ -70,7 +70,13 @@ def retried_once(method: Callable[..., R]) -> Callable[..., R]:
         except StoreError as exc:
             if not worth_retrying(exc):
                 raise
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except StoreError as again:
+                # The first attempt's answer was lost: what it did may stand, whatever the
+                # second one met (the ledger still out of reach, most likely).
+                again.maybe_applied = again.maybe_applied or exc.maybe_applied
+                raise
 
     return wrapper
 
@@ -141,6 +147,7 @@ class Ledger:
             hasattr(PyMySQLConnection, name) for name in ("_execute_command", "next_result")
         )
         self._literal_upsert: LiteralUpsert | None = None
+        self._array_upsert: str | None = None
         self._autocommit = autocommit_engine(engine) if pymysql or self.postgres else None
         self._url = mask_url(engine.url.render_as_string(hide_password=True))
         self._schema_lock = threading.Lock()
@@ -182,11 +189,15 @@ class Ledger:
 
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
+        committing = False
         try:
             with self.engine.begin() as conn:
                 yield conn
+                committing = True
         except SQLAlchemyError as exc:
-            raise self._store_error(exc) from exc
+            # A connection lost at the COMMIT leaves the transaction's fate unknown; lost
+            # earlier, the server rolled it back.
+            raise self._store_error(exc, sent=committing) from exc
 
     @contextmanager
     def _statements(self) -> Iterator[Connection]:
@@ -198,11 +209,13 @@ class Ledger:
             with self._tx() as conn:
                 yield conn
             return
+        connected = False
         try:
             with self._autocommit.connect() as conn:
+                connected = True
                 yield conn
         except SQLAlchemyError as exc:
-            raise self._store_error(exc) from exc
+            raise self._store_error(exc, sent=connected) from exc
 
     def begin(self) -> Connection:
         """A connection of the pool with a transaction begun, for the caller to commit or roll
@@ -304,6 +317,23 @@ class Ledger:
         around one statement costs about a fifth of a single create's CPU. Driver errors become
         StoreError as in `_tx`; a connection found dead is discarded from the pool.
         """
+
+        def run(cursor: Any, dialect: Dialect, driver: Any) -> int:
+            cursor.execute(build(dialect, driver))
+            return int(cursor.rowcount)
+
+        return self._on_raw_autocommit(run)
+
+    def _autocommitted_rows(self, sql: str, params: Mapping[str, Any]) -> list[Any]:
+        """`sql` with `params` run as `_autocommitted` runs a statement; returns its rows."""
+
+        def run(cursor: Any, _dialect: Dialect, _driver: Any) -> list[Any]:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
+
+        return self._on_raw_autocommit(run)
+
+    def _on_raw_autocommit(self, run: Callable[[Any, Dialect, Any], R]) -> R:
         engine = self._autocommit
         assert engine is not None
         dialect = engine.dialect
@@ -322,36 +352,47 @@ class Ledger:
                 dialect=dialect,
             )
             raise self._store_error(wrapped) from wrapped
-        statement, cursor = "", None
+        cursor = None
         try:
-            statement = build(dialect, raw.driver_connection)
             cursor = raw.cursor()
-            cursor.execute(statement)
-            return int(cursor.rowcount)
+            return run(cursor, dialect, raw.driver_connection)
         except dialect.loaded_dbapi.Error as exc:
             gone = dialect.is_disconnect(exc, raw.dbapi_connection, cursor) or not_serving(exc)
             if gone:
                 raw.invalidate(exc)
+            # No statement text: the error's message (all StoreError shows) is the driver's.
             wrapped = DBAPIError.instance(
-                statement[:300],
+                None,
                 None,
                 exc,
                 dialect.loaded_dbapi.Error,
                 connection_invalidated=gone,
                 dialect=dialect,
             )
-            raise self._store_error(wrapped) from wrapped
+            raise self._store_error(wrapped, sent=True) from wrapped
         finally:
             if cursor is not None:
                 cursor.close()
             raw.close()
 
-    def _store_error(self, exc: SQLAlchemyError) -> StoreError:
-        detail = str(getattr(exc, "orig", None) or exc).splitlines()[0][:300]
-        error = StoreError(f"database {self._url}: {detail}")
+    def _store_error(self, exc: SQLAlchemyError, *, sent: bool = False) -> StoreError:
+        """StoreError for `exc`; `sent`: the statement (or COMMIT) may have reached the server,
+        so a lost connection leaves it `maybe_applied`."""
+        error = StoreError(f"database {self._url}: {_detail(exc)}")
         error.disconnected = bool(getattr(exc, "connection_invalidated", False))
+        error.maybe_applied = sent and error.disconnected
         error.lock_timeout = error_code(exc) in _LOCK_WAIT_TIMEOUTS
         return error
+
+
+def _detail(exc: SQLAlchemyError) -> str:
+    """The driver's message, its first line; with libpq's multi-host failures (a URL naming a
+    primary and its standbys) what each host said."""
+    lines = str(getattr(exc, "orig", None) or exc).splitlines() or [""]
+    hosts = [line.strip()[2:] for line in lines if line.strip().startswith("- host:")]
+    if hosts:
+        return "; ".join(["no host took the connection", *hosts])[:800]
+    return lines[0][:300]
 
 
 def like_prefix(text: str) -> str:

@@ -3,7 +3,7 @@ by key or class), each on an index range that never walks done or cancelled rows
 
 from __future__ import annotations
 
-from sqlalchemy import select, update
+from sqlalchemy import literal_column, select, update
 
 from keyexpiry.ledger.base import Ledger, like_prefix, retried_once
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
@@ -49,7 +49,13 @@ class LookupQueries(Ledger):
         with self._tx() as conn:
             rows = conn.execute(
                 select(T)
-                .where(T.c.status == TaskStatus.PENDING.value, T.c.attempts > 0)
+                # Literals: PostgreSQL reads this off a partial index whose predicate says the
+                # same, which a plan for bound values (psycopg prepares a statement it runs
+                # often) could not prove it may use.
+                .where(
+                    T.c.status == literal_column(f"'{TaskStatus.PENDING.value}'"),
+                    T.c.attempts > literal_column("0"),
+                )
                 .order_by(T.c.due_at_ms, T.c.task_key)
                 .limit(limit)
             ).all()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from sqlalchemy import Column, Connection, Index, Integer, MetaData, Table, inspect, text
 from sqlalchemy.schema import CreateColumn
 
-from keyexpiry.ledger.table import RETIRED_INDEXES, T, metadata
+from keyexpiry.ledger.table import RETIRED_INDEXES, T, index_on, metadata
 
 
 def missing_columns(conn: Connection, table: Table) -> list[Column[object]]:
@@ -57,7 +57,11 @@ def missing_indexes(conn: Connection, table: Table) -> list[Index]:
     if not insp.has_table(table.name):
         return []
     present = {i["name"] for i in insp.get_indexes(table.name)}
-    return [i for i in sorted(table.indexes, key=lambda i: str(i.name)) if i.name not in present]
+    return [
+        i
+        for i in sorted(table.indexes, key=lambda i: str(i.name))
+        if i.name not in present and index_on(str(i.name), conn.dialect)
+    ]
 
 
 def rows_upper_bound(conn: Connection, table: Table) -> int:

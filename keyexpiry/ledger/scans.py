@@ -79,7 +79,9 @@ class ScanQueries(Ledger):
         )
         if after != KEYS_START:
             due, key = after
-            q = q.where(or_(T.c.due_at_ms > due, and_(T.c.due_at_ms == due, T.c.task_key > key)))
+            # The range first (`>=`), then the tie-break: every engine starts the index range at
+            # the page (an OR alone left PostgreSQL reading every earlier pending row, a page).
+            q = q.where(T.c.due_at_ms >= due, or_(T.c.due_at_ms > due, T.c.task_key > key))
         if upto_ms is not None:
             q = q.where(T.c.due_at_ms <= upto_ms)
         with self._tx() as conn:

@@ -20,7 +20,6 @@ from sqlalchemy import (
     and_,
     func,
     inspect,
-    literal_column,
     or_,
     select,
     update,
@@ -47,6 +46,8 @@ from keyexpiry.ledger.table import (
     PIPELINED_STATEMENT_BYTES,
     TABLE_NAME,
     T,
+    array_upsert_params,
+    array_upsert_sql,
     make_engine,
     metadata,
     time_limit_task,
@@ -243,21 +244,26 @@ class Store(
             return self.schedule(taken, [IfExists.REPLACE] * len(taken), now_ms)
 
     def _upsert_returning(self, tasks: Sequence[NewTask], now_ms: int) -> list[tuple[Did, int]]:
-        # PostgreSQL: the upsert returns each row's key and whether it was inserted (`xmax` is 0
-        # in a row version no transaction has locked or replaced, as only a fresh insert is),
-        # in one round trip: a single create on the autocommit pool, a bulk one as multi-row
-        # VALUES (SQLAlchemy's "insertmanyvalues", 1,000 rows a statement). A statement may not
-        # touch one row twice ("ON CONFLICT DO UPDATE command cannot affect row a second
-        # time"): a key given again goes in a later statement, so the later create wins.
-        statement = self._upsert.returning(
-            T.c.task_key, literal_column("xmax = 0").label("inserted")
-        )
+        # PostgreSQL: one statement returns each row's key and whether it was inserted, in one
+        # round trip (`array_upsert_sql`): a single create on the autocommit pool, a bulk one in
+        # a transaction, 5,000 tasks a statement. A statement may not touch one row twice ("ON
+        # CONFLICT DO UPDATE command cannot affect row a second time"): a key given again goes
+        # in a later statement, so the later create wins, as on the other engines.
+        if self._array_upsert is None:
+            self._array_upsert = array_upsert_sql()
+        sql = self._array_upsert
+        if len(tasks) == 1 and self._autocommit is not None:
+            # On the DBAPI connection itself: SQLAlchemy's Connection around one statement
+            # cost a single create more than its round trip.
+            rows = self._autocommitted_rows(sql, array_upsert_params(tasks, now_ms))
+            return [(Did.CREATED if rows[0][1] else Did.REPLACED, tasks[0].due_at_ms)]
         inserted: dict[str, list[bool]] = {}
-        with self._statements() if len(tasks) == 1 else self._tx() as conn:
+        with self._tx() as conn:
             for group in _distinct_keys(tasks):
-                result = conn.execute(statement, [self._bound_row(t, now_ms) for t in group])
-                for key, new in result:
-                    inserted.setdefault(str(key), []).append(bool(new))
+                for start in range(0, len(group), 5000):
+                    params = array_upsert_params(group[start : start + 5000], now_ms)
+                    for key, new in conn.exec_driver_sql(sql, params):
+                        inserted.setdefault(str(key), []).append(bool(new))
         # A key given twice was written in order, one statement each: its answers in order too.
         return [
             (Did.CREATED if inserted[t.key].pop(0) else Did.REPLACED, t.due_at_ms) for t in tasks

@@ -25,6 +25,7 @@ from sqlalchemy import (
     func,
     literal_column,
     null,
+    text,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Dialect
@@ -37,6 +38,21 @@ from keyexpiry.tags import TAG_MAX_CHARS
 
 TABLE_NAME = "time_limit_task"
 metadata = MetaData()
+
+_ENGINE_INDEXES: dict[str, Callable[[str], bool]] = {
+    "ix_time_limit_task_status_attempts": lambda engine: engine != "postgresql",
+    "ix_time_limit_task_retrying": lambda engine: engine == "postgresql",
+}
+"""Indexes only some engines have, by name: which (by dialect name)."""
+
+
+def index_on(name: str, dialect: Dialect | str) -> bool:
+    """Whether the ledger has index `name` on `dialect`'s engine (most indexes: on every one)."""
+    engine = dialect if isinstance(dialect, str) else dialect.name
+    only_on = _ENGINE_INDEXES.get(name)
+    return only_on is None or only_on(engine)
+
+
 # Keys are escaped to printable ASCII; a binary ASCII collation keeps them case-sensitive and lets
 # a 512-byte unique index fit InnoDB's limit. On PostgreSQL the "C" collation compares bytes, and
 # lets a B-tree index serve a `LIKE 'prefix%'` (a class's keys) whatever the database's locale.
@@ -90,9 +106,27 @@ time_limit_task = Table(
     # reconciliation's walk over pending keys off this index alone (no row lookups).
     Index("ix_time_limit_task_status_due_key", "status", "due_at_ms", "task_key", "attempts"),
     # The dashboard's retrying list: pending rows that failed, without walking every pending row.
-    Index("ix_time_limit_task_status_attempts", "status", "attempts", "due_at_ms"),
-    # Retention and the dead-task counts: finished rows by finish time (and class), index-only.
-    Index("ix_time_limit_task_status_finished", "status", "finished_at_ms", "class_name"),
+    Index("ix_time_limit_task_status_attempts", "status", "attempts", "due_at_ms").ddl_if(
+        callable_=lambda *_, dialect, **__: index_on("ix_time_limit_task_status_attempts", dialect)
+    ),
+    # The same on PostgreSQL, a partial index of those rows alone: the planner took the one above
+    # for pending counts by due time (walking every pending row, `attempts` between) and read the
+    # retrying list in due order off the main index, skipping the rows that never failed.
+    Index(
+        "ix_time_limit_task_retrying",
+        "due_at_ms",
+        "task_key",
+        postgresql_where=text(f"status = '{TaskStatus.PENDING.value}' AND attempts > 0"),
+    ).ddl_if(callable_=lambda *_, dialect, **__: index_on("ix_time_limit_task_retrying", dialect)),
+    # Retention and the dead-task counts: finished rows by finish time (and class), index-only
+    # (on PostgreSQL with the id included: its secondary indexes do not hold the primary key).
+    Index(
+        "ix_time_limit_task_status_finished",
+        "status",
+        "finished_at_ms",
+        "class_name",
+        postgresql_include=["id"],
+    ),
     # A tag's rows by due time: `list --tag` reads them in order, `cancel_tag` finds them.
     Index("ix_time_limit_task_tag", "tag", "due_at_ms"),
     UniqueConstraint("task_key", name="uq_time_limit_task_key"),
@@ -194,7 +228,11 @@ def with_earlier_errors(new: Any) -> Any:
 
 def make_engine(url: str) -> Engine:
     """An engine tuned for the ledger: SQLite in WAL mode with a busy timeout; MySQL/MariaDB and
-    PostgreSQL in READ COMMITTED with short lock waits."""
+    PostgreSQL in READ COMMITTED with short lock waits.
+
+    A PostgreSQL URL without a driver (`postgresql://`, or Heroku's `postgres://`) means psycopg
+    3, the driver keyexpiry is tested with (SQLAlchemy's own default would be psycopg2)."""
+    url = postgres_driver(url)
     try:
         if url.startswith("sqlite"):
             engine = create_engine(
@@ -227,8 +265,21 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "connect", _session_setup(engine.dialect.name))
         event.listen(engine, "handle_error", _not_serving_is_a_disconnect)
         return engine
-    except (SQLAlchemyError, ImportError, ValueError) as exc:
+    except ImportError as exc:
+        extra = " (pip install 'keyexpiry[postgres]')" if "psycopg" in str(exc) else ""
+        raise StoreError(
+            f"cannot use database {mask_url(url)}: {redact(str(exc), url)}{extra}"
+        ) from None
+    except (SQLAlchemyError, ValueError) as exc:
         raise StoreError(f"cannot use database {mask_url(url)}: {redact(str(exc), url)}") from None
+
+
+def postgres_driver(url: str) -> str:
+    """`url` with psycopg 3 named as its driver when it names PostgreSQL without one."""
+    for bare in ("postgresql://", "postgres://"):
+        if url.startswith(bare):
+            return "postgresql+psycopg://" + url[len(bare) :]
+    return url
 
 
 def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
@@ -486,3 +537,63 @@ class LiteralUpsert:
             size += n
         if rows:
             yield self._head + ",".join(rows) + self._tail
+
+
+_ARRAY_COLUMNS = (
+    ("task_key", "k", "varchar"),
+    ("class_name", "c", "varchar"),
+    ("method", "m", "varchar"),
+    ("args", "a", "text"),
+    ("retry_schedule_s", "r", "text"),
+    ("due_at_ms", "d", "bigint"),
+    ("tag", "t", "varchar"),
+)
+"""The columns a PostgreSQL bulk upsert takes per task, each as an array parameter: (column,
+parameter, element type)."""
+
+
+def array_upsert_sql() -> str:
+    """PostgreSQL's create-or-reset of many tasks in one statement: one array per column
+    (`_ARRAY_COLUMNS`, plus `now`), unnested into rows, the same ON CONFLICT rule as
+    `upsert_statement`, and each row's key and whether it was inserted (`xmax` is 0 only in a
+    row version nobody has replaced or locked, as in one just inserted).
+
+    Eight parameters whatever the number of tasks: psycopg adapts a list as one array (in C),
+    where a multi-row VALUES binds and casts 17 values a row; the same text for one task or
+    thousands, so psycopg prepares it on the server once it has run a few times.
+    """
+    compiled = str(upsert_statement("postgresql").compile(dialect=postgresql.dialect()))  # type: ignore[no-untyped-call]
+    conflict = compiled[compiled.index(" ON CONFLICT ") :]
+    if "%(" in conflict:
+        raise StoreError(f"unexpected parameter in the upsert's update: {conflict[:300]}")
+    columns = ", ".join(c for c, _, _ in _ARRAY_COLUMNS)
+    values = ", ".join(f"u.{p}" for _, p, _ in _ARRAY_COLUMNS)
+    arrays = ", ".join(f"%({p})s::{t}[]" for _, p, t in _ARRAY_COLUMNS)
+    names = ", ".join(p for _, p, _ in _ARRAY_COLUMNS)
+    return (
+        f"INSERT INTO {TABLE_NAME} ({columns}, status, attempts, created_at_ms, updated_at_ms) "
+        f"SELECT {values}, '{TaskStatus.PENDING.value}', 0, %(now)s::bigint, %(now)s::bigint "
+        f"FROM unnest({arrays}) AS u({names})"
+        f"{conflict} RETURNING {TABLE_NAME}.task_key, ({TABLE_NAME}.xmax = 0) AS inserted"
+    )
+
+
+def array_upsert_params(tasks: Iterable[NewTask], now_ms: int) -> dict[str, Any]:
+    """`array_upsert_sql`'s parameters for `tasks` (no key twice: one statement may not touch a
+    row twice)."""
+    k: list[str] = []
+    c: list[str] = []
+    m: list[str] = []
+    a: list[str] = []
+    r: list[str | None] = []
+    d: list[int] = []
+    t: list[str | None] = []
+    for task in tasks:
+        k.append(task.key)
+        c.append(task.class_name)
+        m.append(task.method)
+        a.append(args_json(task.args))
+        r.append(schedule_json(task.retry_schedule_s))
+        d.append(int(task.due_at_ms))
+        t.append(task.tag)
+    return {"k": k, "c": c, "m": m, "a": a, "r": r, "d": d, "t": t, "now": int(now_ms)}

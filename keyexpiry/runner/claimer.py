@@ -323,7 +323,10 @@ class Claimer:
             row = rows.get(key)
             log = logger.bind(key=key, attempt=row.attempts if row else 0)
             if row is None:
-                log.info("no ledger row for this key; ignored")
+                # A registered task's key with no row: a create whose commit the ledger lost
+                # (a failover under asynchronous replication), a row deleted by hand, or a key
+                # set without one. Nothing can run it; an operator should hear of it.
+                log.warning("no ledger row for this task's key (lost or never written): ignored")
             elif row.status is TaskStatus.PENDING:
                 # A stale event (task rescheduled), this host's clock a hair behind Redis's, or
                 # a row that fell due since the claim: if its key is gone, nothing else would

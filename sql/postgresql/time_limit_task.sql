@@ -38,12 +38,14 @@ CREATE INDEX IF NOT EXISTS ix_time_limit_task_status_lease
 -- index alone (an index-only scan where the visibility map allows)
 CREATE INDEX IF NOT EXISTS ix_time_limit_task_status_due_key
     ON time_limit_task (status, due_at_ms, task_key, attempts);
--- the dashboard's retrying list: pending rows that failed
-CREATE INDEX IF NOT EXISTS ix_time_limit_task_status_attempts
-    ON time_limit_task (status, attempts, due_at_ms);
--- retention and the dead-task counts: finished rows by finish time (and class)
+-- the dashboard's retrying list: pending rows that failed, a partial index of them alone (MySQL
+-- has ix_time_limit_task_status_attempts instead, which PostgreSQL's planner misuses)
+CREATE INDEX IF NOT EXISTS ix_time_limit_task_retrying
+    ON time_limit_task (due_at_ms, task_key) WHERE status = 'pending' AND attempts > 0;
+-- retention and the dead-task counts: finished rows by finish time (and class), index-only
+-- with the id included
 CREATE INDEX IF NOT EXISTS ix_time_limit_task_status_finished
-    ON time_limit_task (status, finished_at_ms, class_name);
+    ON time_limit_task (status, finished_at_ms, class_name) INCLUDE (id);
 -- a tag's rows by due time
 CREATE INDEX IF NOT EXISTS ix_time_limit_task_tag
     ON time_limit_task (tag, due_at_ms);
