@@ -44,6 +44,10 @@ class Row:
     """Tasks a truthful cancel stopped: each has no run and status cancelled."""
 
 
+ENGINES = ("sqlite", "mariadb", "postgres")
+"""The ledgers a fault scenario runs on, as its rows name them (and its test ids spell them)."""
+
+
 class Verdict:
     """Counts how each task of a scenario ended, records it, then asserts it."""
 
@@ -51,11 +55,23 @@ class Verdict:
         self._request = request
         node = request.node
         params = getattr(getattr(node, "callspec", None), "params", {})
-        db = params.get("db_url")
-        uses_mariadb = {"mysql_url", "mariadb_factory"} & set(request.fixturenames)
-        self.backend = "mariadb" if db == "mysql" or (db is None and uses_mariadb) else "sqlite"
+        # The ledger: a parametrised URL fixture's value, an `engine` parameter, or the
+        # fixtures the test uses (a server of its own); SQLite otherwise.
+        named = {"mysql": "mariadb", "pg": "postgres", "sqlite": "sqlite"}
+        db = params.get("db_url") or params.get("server_db_url")
+        fixtures = set(request.fixturenames)
+        if db in named:
+            self.backend = named[db]
+        elif params.get("engine") in ENGINES:
+            self.backend = str(params["engine"])
+        elif {"pg_url", "postgres_factory"} & fixtures:
+            self.backend = "postgres"
+        elif {"mysql_url", "mariadb_factory", "galera_cluster"} & fixtures:
+            self.backend = "mariadb"
+        else:
+            self.backend = "sqlite"
         ids = getattr(getattr(node, "callspec", None), "id", "")
-        variant = [part for part in _id_parts(ids) if part not in ("sqlite", "mariadb")]
+        variant = [part for part in _id_parts(ids) if part not in ENGINES]
         name = node.originalname.removeprefix("test_").replace("_", " ")
         self.scenario = name + (f" [{', '.join(variant)}]" if variant else "")
 
@@ -184,9 +200,10 @@ def render(rows: Sequence[Row]) -> str:
         "# Reliability: the fault suite's results",
         "",
         "Produced by `make reliability` (runs `tests/faults/` against real redis-server and",
-        "MariaDB/SQLite and writes this file); every row is one scenario's ledger and handler",
-        "counts. *Recover* is the time from the later of the fault's end and the last due time",
-        "to the last task finished; for a listener killed or paused, from the kill or pause.",
+        "SQLite, MariaDB (one server, or Galera behind HAProxy) or PostgreSQL (one server, or a",
+        "primary with a standby) and writes this file); every row is one scenario's ledger and",
+        "handler counts. *Recover* is the time from the later of the fault's end and the last due",
+        "time to the last task finished; for a listener killed or paused, from the kill or pause.",
         "*Cancelled*: tasks whose cancel returned True, none of which ran. See",
         "docs/GUARANTEES.md for what is promised.",
         "",

@@ -175,13 +175,15 @@ _LOCK_WAIT_MAX_S = 5
 
 def error_code(exc: BaseException | None) -> int | str | None:
     """The error behind `exc` (a SQLAlchemy error or the driver's own): MySQL/MariaDB's number
-    (PyMySQL puts it first in `args`) or PostgreSQL's SQLSTATE (psycopg's `sqlstate`)."""
+    (PyMySQL puts it first in `args`) or PostgreSQL's SQLSTATE (psycopg's `sqlstate`). The
+    number first: PyMySQL 1.2 sets a `sqlstate` too, as vague as `HY000` for a lock wait
+    timeout."""
     orig = getattr(exc, "orig", None) or exc
-    sqlstate = getattr(orig, "sqlstate", None)
-    if isinstance(sqlstate, str):
-        return sqlstate
     args = getattr(orig, "args", ())
-    return args[0] if args and isinstance(args[0], int) else None
+    if args and isinstance(args[0], int):
+        return args[0]
+    sqlstate = getattr(orig, "sqlstate", None)
+    return sqlstate if isinstance(sqlstate, str) else None
 
 
 # A server that cannot take statements on this connection, whatever the statement: a Galera node

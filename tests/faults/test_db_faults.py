@@ -1,4 +1,10 @@
-"""The ledger misbehaving under a listener: ambiguous commits, row locks, skewed clocks, kill -9."""
+"""The ledger misbehaving under a listener: ambiguous commits, row locks, skewed clocks, kill -9.
+
+Every scenario runs on both database servers, MariaDB and PostgreSQL (`server_db_url`, or
+`engine` where the test starts a server of its own); its row in docs/RELIABILITY.md names the
+ledger it ran on. The commits are broken by the proxy for that server's wire protocol
+(`MySQLProxy`, `PGProxy`).
+"""
 
 from __future__ import annotations
 
@@ -6,38 +12,51 @@ import datetime as dt
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loguru import logger
+from sqlalchemy.engine import make_url
 
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import lock_waits, wait_until
 from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
-from tests.conftest import MariaDBFactory
 from tests.faults.spawn import ROOT, Spawned, keyexpiry_command, signal_group, subprocess_env
 from tests.ke import Running, make_settings, wait_status
-from tests.proxy import Fault, MySQLProxy, updates_status
+from tests.pg_proxy import PGProxy
+from tests.proxy import Fault, MySQLProxy, WireProxy, updates_status
 from tests.reliability import Verdict
 
 pytestmark = pytest.mark.faults
 StartListener = Callable[[Settings], Running]
 
+ENGINES = ("mariadb", "postgres")
+"""The ledgers every scenario runs on (the ids of `server_db_url`'s parameters)."""
+
+
+def engine_of(url: str) -> str:
+    """`mariadb` or `postgres`: the server a SQLAlchemy URL names."""
+    return "postgres" if make_url(url).get_backend_name() == "postgresql" else "mariadb"
+
 
 @pytest.fixture
-def ledger(redis_url: str, mysql_url: str, tmp_path: Path) -> Iterator[Client]:
-    """A client on the session Redis and a fresh MariaDB database (never SQLite)."""
+def ledger(redis_url: str, server_db_url: str, tmp_path: Path) -> Iterator[Client]:
+    """A client on the session Redis and a fresh MariaDB or PostgreSQL database."""
     sample_tasks.reset()
-    with Client(make_settings(redis_url, mysql_url, tmp_path)) as client:
+    with Client(make_settings(redis_url, server_db_url, tmp_path)) as client:
         yield client
     sample_tasks.reset()
 
 
 @pytest.fixture
-def proxy(mysql_url: str) -> Iterator[MySQLProxy]:
-    """A proxy in front of `mysql_url`'s server; give listeners `proxy.url`."""
-    with MySQLProxy(mysql_url) as p:
+def proxy(server_db_url: str) -> Iterator[WireProxy]:
+    """A proxy in front of `server_db_url`'s server, for its protocol; give listeners
+    `proxy.url`."""
+    kind = PGProxy if engine_of(server_db_url) == "postgres" else MySQLProxy
+    with kind(server_db_url) as p:
         yield p
 
 
@@ -55,7 +74,7 @@ def proxy(mysql_url: str) -> Iterator[MySQLProxy]:
 )
 def test_ambiguous_commit(
     ledger: Client,
-    proxy: MySQLProxy,
+    proxy: WireProxy,
     redis_url: str,
     tmp_path: Path,
     start_listener: StartListener,
@@ -64,9 +83,10 @@ def test_ambiguous_commit(
     fault: Fault,
     times: int,
 ) -> None:
-    # The claim (status='running', autocommitted: its UPDATE is its commit) or the record
-    # (status='done') transaction loses its connection at its commit: "reply" after the server
-    # committed, "commit" before it could.
+    # The claim (status='running', autocommitted: its UPDATE is its commit; on PostgreSQL one
+    # UPDATE … RETURNING inside a SELECT, committed at its Sync) or the record (status='done')
+    # transaction loses its connection at its commit: "reply" after the server committed,
+    # "commit" before it could.
     if status == "running":
         proxy.break_statement(updates_status(status), fault=fault, times=times)
     else:
@@ -95,7 +115,7 @@ def test_ambiguous_commit(
 )
 def test_a_claim_lost_in_a_failover_runs_once_the_ledger_answers(
     ledger: Client,
-    proxy: MySQLProxy,
+    proxy: WireProxy,
     redis_url: str,
     tmp_path: Path,
     start_listener: StartListener,
@@ -138,16 +158,70 @@ def warnings_logged() -> Iterator[list[str]]:
     logger.remove(handler)
 
 
+@dataclass
+class LockingServer:
+    """A database server of its own whose lock wait timeout is 1 s (MariaDB's
+    `innodb_lock_wait_timeout`, PostgreSQL's `lock_timeout`, which keyexpiry keeps in its
+    sessions), with a database `locks`."""
+
+    url: str
+    """The `locks` database's SQLAlchemy URL."""
+    timeout_text: str
+    """What the server's error says when a lock wait times out."""
+    _connect: Callable[..., Any]
+    _count_waits: Callable[[Any], int]
+
+    def locker(self) -> Any:
+        """A DB-API connection to `locks` in a transaction of its own (rollback, close)."""
+        return self._connect(autocommit=False)
+
+    def watcher(self) -> Any:
+        """An autocommitted DB-API connection, for `lock_waits`."""
+        return self._connect(autocommit=True)
+
+    def lock_waits(self, watcher: Any) -> int:
+        """Sessions waiting for a row lock, seen from `watcher`."""
+        return self._count_waits(watcher)
+
+
+def _pg_lock_waits(conn: Any) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = 'locks' AND wait_event_type = 'Lock'"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.fixture
+def locking_server(engine: str, request: pytest.FixtureRequest) -> LockingServer:
+    """`LockingServer` on `engine`'s server (its factory's: killed when the test ends)."""
+    if engine == "postgres":
+        pg = request.getfixturevalue("postgres_factory")(args=["-c", "lock_timeout=1s"])
+        return LockingServer(
+            pg.create_database("locks"),
+            "canceling statement due to lock timeout",
+            lambda **kw: pg.admin_connection(dbname="locks", **kw),
+            _pg_lock_waits,
+        )
+    maria = request.getfixturevalue("mariadb_factory")(args=["--innodb-lock-wait-timeout=1"])
+    return LockingServer(
+        maria.create_database("locks"),
+        "Lock wait timeout",
+        lambda **kw: maria.admin_connection(database="locks", **kw),
+        lock_waits,
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_row_locked_past_the_lock_wait_timeout(
-    mariadb_factory: MariaDBFactory,
+    locking_server: LockingServer,
     redis_url: str,
     tmp_path: Path,
     start_listener: StartListener,
     warnings_logged: list[str],
     verdict: Verdict,
 ) -> None:
-    server = mariadb_factory(args=["--innodb-lock-wait-timeout=1"])
-    cfg = make_settings(redis_url, server.create_database("locks"), tmp_path)
+    server = locking_server
+    cfg = make_settings(redis_url, server.url, tmp_path)
     sample_tasks.reset()
     with Client(cfg) as c:
         start_listener(cfg)
@@ -158,7 +232,7 @@ def test_row_locked_past_the_lock_wait_timeout(
         locked, others = keys[0], keys[1:]
         # Another session (an operator, a report, business code) holds the row past the
         # server's 1 s lock wait timeout, through more than one claim of it.
-        locker = server.admin_connection(database="locks", autocommit=False)
+        locker = server.locker()
         try:
             with locker.cursor() as cur:
                 cur.execute(
@@ -169,7 +243,8 @@ def test_row_locked_past_the_lock_wait_timeout(
                 15,
                 message="the rest of the batch waited for the locked row",
             )
-            assert any("Lock wait timeout" in line for line in warnings_logged), warnings_logged
+            text = server.timeout_text
+            assert any(text in line for line in warnings_logged), warnings_logged
             # The overdue check offers the locked task again, and again it is left pending.
             wait_until(
                 lambda: sum("row locked by another" in line for line in warnings_logged) >= 2,
@@ -185,8 +260,9 @@ def test_row_locked_past_the_lock_wait_timeout(
         verdict.check(c, keys, since_ms=c.clock.now_ms())
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_outcomes_are_recorded_around_a_row_locked_past_the_lock_wait_timeout(
-    mariadb_factory: MariaDBFactory,
+    locking_server: LockingServer,
     redis_url: str,
     tmp_path: Path,
     start_listener: StartListener,
@@ -196,16 +272,16 @@ def test_outcomes_are_recorded_around_a_row_locked_past_the_lock_wait_timeout(
     handler runs. Its outcome waits for the lock; the outcomes behind it must not (retried as
     one batch they would wait as long as the lock is held, long enough for their leases to run
     out and their tasks to run twice)."""
-    server = mariadb_factory(args=["--innodb-lock-wait-timeout=1"])
-    cfg = make_settings(redis_url, server.create_database("locks"), tmp_path)
+    server = locking_server
+    cfg = make_settings(redis_url, server.url, tmp_path)
     sample_tasks.reset()
     with Client(cfg) as c:
         start_listener(cfg)
         keys = c.create_many(TaskRequest("Probe.wait", (f"rec{i}",), ttl_ms=0) for i in range(6))
         wait_until(lambda: all(sample_tasks.CALLS[k] == 1 for k in keys), 10)
         locked, others = keys[0], keys[1:]
-        locker = server.admin_connection(database="locks", autocommit=False)
-        watcher = server.admin_connection()
+        locker = server.locker()
+        watcher = server.watcher()
         try:
             with locker.cursor() as cur:
                 cur.execute(
@@ -213,7 +289,7 @@ def test_outcomes_are_recorded_around_a_row_locked_past_the_lock_wait_timeout(
                 )
             sample_tasks.gate("rec0").set()
             # The recorder is waiting on the lock with the locked outcome: the rest finish now.
-            wait_until(lambda: lock_waits(watcher) == 1, 10, interval_s=0.2)
+            wait_until(lambda: server.lock_waits(watcher) == 1, 10, interval_s=0.2)
             for i in range(1, len(keys)):
                 sample_tasks.gate(f"rec{i}").set()
             wait_until(
@@ -234,7 +310,7 @@ def test_outcomes_are_recorded_around_a_row_locked_past_the_lock_wait_timeout(
 def test_application_clock_skewed(
     ledger: Client,
     redis_url: str,
-    mysql_url: str,
+    server_db_url: str,
     tmp_path: Path,
     spawn: Spawned,
     verdict: Verdict,
@@ -242,11 +318,13 @@ def test_application_clock_skewed(
 ) -> None:
     # The listener and one `create` run with their wall clock `skew` away from Redis's and the
     # database's; keyexpiry's clock is Redis TIME, so nothing may change.
-    cfg = make_settings(redis_url, mysql_url, tmp_path)
+    cfg = make_settings(redis_url, server_db_url, tmp_path)
     _, log = spawn.listen(cfg, skew=skew)
     assert wall_clock_offset_ms(log, ledger) > 9 * 60 * 1000, "faketime did not skew it"
-    keys = ledger.create_many(
-        TaskRequest("Probe.record", (f"skew{i}",), ttl_ms=300 + 100 * i) for i in range(5)
+    keys: list[str] = list(
+        ledger.create_many(
+            TaskRequest("Probe.record", (f"skew{i}",), ttl_ms=300 + 100 * i) for i in range(5)
+        )
     )
     before_ms = ledger.clock.now_ms()
     out = subprocess.run(
@@ -287,9 +365,9 @@ def wall_clock_offset_ms(log: Path, ledger: Client) -> int:
 
 def test_listener_killed_between_claim_and_handler_start(
     ledger: Client,
-    proxy: MySQLProxy,
+    proxy: WireProxy,
     redis_url: str,
-    mysql_url: str,
+    server_db_url: str,
     tmp_path: Path,
     spawn: Spawned,
     start_listener: StartListener,
@@ -311,7 +389,7 @@ def test_listener_killed_between_claim_and_handler_start(
     wait_status(ledger, waiting, TaskStatus.RUNNING, timeout_s=5)
     signal_group(proc, signal.SIGKILL)
     proc.wait(10)
-    start_listener(make_settings(redis_url, mysql_url, tmp_path))
+    start_listener(make_settings(redis_url, server_db_url, tmp_path))
     base = verdict.scenario
     # Claimed but never started: run by the second listener only, once, after the lease.
     verdict.scenario = f"{base} [claimed, not started]"
