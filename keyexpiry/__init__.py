@@ -20,7 +20,7 @@ from keyexpiry.errors import (
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
 from keyexpiry.ledger.scheduling import Did, IfExists, Scheduled
 from keyexpiry.listener.listener import Listener
-from keyexpiry.registry import Registry, default_registry, exposed, task
+from keyexpiry.registry import Registry, default_registry, exposed, signature, task
 from keyexpiry.settings import Settings
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "current",
     "default_registry",
     "exposed",
+    "signature",
     "task",
 ]
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ import typer
 from loguru import logger
 from typer.core import TyperArgument, TyperCommand
 
-from keyexpiry.errors import ConfigError, KeyExpiryError
+from keyexpiry.errors import ArgumentError, ConfigError, KeyExpiryError
 from keyexpiry.limits import MAX_LIST_ROWS
 from keyexpiry.log import configure_logging
 from keyexpiry.masking import redact
@@ -257,15 +257,30 @@ def create(
     ttl_ms: int = typer.Option(None, "--ttl-ms", help="Run after this many milliseconds."),
     at: str = typer.Option(None, "--at", help="Run at an ISO 8601 time (naive = local time)."),
     tag: str = typer.Option(None, "--tag", help="A business key to list and cancel it by."),
+    payload: str = typer.Option(
+        None, "--payload", help="A JSON document that travels with the task (current().payload)."
+    ),
     tasks: str = TasksOpt,
 ) -> None:
     """Schedule CLASS.METHOD(ARG...) and print its key."""
     when = _when(at, "--at")
     if sum(x is not None for x in (ttl, ttl_ms, when)) != 1:
         raise ConfigError("give exactly one of --ttl, --ttl-ms or --at")
+    document = None
+    if payload is not None:
+        try:
+            document = json.loads(payload)
+        except ValueError as exc:
+            raise ArgumentError(f"--payload is not JSON: {exc}") from None
     with _client(_settings(ctx, tasks=_tasks(tasks))) as client:
         key = client.create(
-            f"{class_name}.{method}", *(args or []), ttl_s=ttl, ttl_ms=ttl_ms, at=when, tag=tag
+            f"{class_name}.{method}",
+            *(args or []),
+            ttl_s=ttl,
+            ttl_ms=ttl_ms,
+            at=when,
+            tag=tag,
+            payload=document,
         )
     typer.echo(key)
 
@@ -551,7 +566,7 @@ def show(
             continue  # a sound row; a malformed one says what is wrong with it
         if name.endswith("_at") and value is not None:
             value = _local_time(round(value * 1000))
-        elif name == "result" and value is not None:
+        elif name in ("result", "payload") and value is not None:
             value = json.dumps(value, ensure_ascii=False)
         # Text from outside (a handler's error, a tag, a row written by hand): control
         # characters escaped; an error's traceback keeps its lines, indented under its label,

@@ -16,6 +16,7 @@ from keyexpiry import limits
 from keyexpiry.errors import (
     ArgumentError,
     KeyExpiryError,
+    KeyFormatError,
     RedisUnavailableError,
     StoreError,
     UnknownTaskError,
@@ -25,6 +26,7 @@ from keyexpiry.ledger.rows import task_status
 from keyexpiry.ledger.scheduling import Did, IfExists, Rule, Scheduled
 from keyexpiry.ledger.store import NewTask, Store, TaskRow, TaskStatus
 from keyexpiry.ledger.transactions import Tx, after_commit, check_same_database, connection_of
+from keyexpiry.payloads import encode_payload
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
 from keyexpiry.settings import Settings
@@ -59,6 +61,8 @@ class TaskRequest:
     tag: str | None = None
     if_exists: Rule = "replace"
     """What to do when the task's key has a row already (`keyexpiry.ledger.scheduling`)."""
+    payload: Any = None
+    """A JSON-serialisable value that travels with the task in its row (see `Client.create`)."""
 
 
 class Client:
@@ -98,13 +102,19 @@ class Client:
 
     # --- keys ---------------------------------------------------------------------------------
     def spec(self, target: Target) -> TaskSpec:
-        """The registered task method `target` names."""
+        """The task method `target` names: the registered one, a declared signature
+        (`keyexpiry.signature`), or, named as "Class.method" in a process without that class
+        (a producer), one that encodes arguments by their own types for the listener to check
+        (`Registry.by_name`)."""
         if callable(target):
             return self.registry.spec_for(target)
         class_name, sep, method = target.replace("@", ".").partition(".")
         if not sep:
             raise UnknownTaskError(f"{clip(target)}: name a task as 'Class.method'")
-        return self.registry.resolve(class_name, method)
+        try:
+            return self.registry.by_name(class_name, method)
+        except KeyFormatError as exc:  # a name no key can hold
+            raise UnknownTaskError(str(exc)) from None
 
     def key_for(self, target: Target, *args: object) -> str:
         """The Redis key of `target(*args)`; checks the arguments against the signature."""
@@ -125,6 +135,7 @@ class Client:
         tag: str | None = None,
         if_exists: Rule = "replace",
         tx: Tx | None = None,
+        payload: Any = None,
     ) -> Scheduled:
         """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
 
@@ -147,9 +158,23 @@ class Client:
         With `tx` (a SQLAlchemy `Connection` or `Session` on the ledger's database) the row is
         written in the caller's transaction and the key is set once that commits; a rollback
         leaves neither (`keyexpiry.ledger.transactions`).
+
+        `payload`: any JSON-serialisable value (at most `payload_max_bytes`, 64 KiB by default)
+        stored in the task's row, never in its key: the handler reads it as `current().payload`,
+        or receives it in a parameter named `payload`, the same on every attempt. A reschedule
+        without one keeps the task's payload, one with a payload replaces it; a create that
+        `if_exists` keeps leaves the row, payload included, as it was.
         """
         request = TaskRequest(
-            target, args, ttl_s, ttl_ms, at, retry_schedule_s, tag=tag, if_exists=if_exists
+            target,
+            args,
+            ttl_s,
+            ttl_ms,
+            at,
+            retry_schedule_s,
+            tag=tag,
+            if_exists=if_exists,
+            payload=payload,
         )
         return self.create_many([request], tx=tx)[0]
 
@@ -424,8 +449,13 @@ class _Batch:
         elif self.rules:
             self.rules.pop(key, None)
         tag = check_tag(req.tag, ArgumentError)
+        payload = (
+            None
+            if req.payload is None
+            else encode_payload(req.payload, self._client.settings.payload_max_bytes)
+        )
         task = self.new[key] = NewTask(
-            key, spec.class_name, spec.method, encoded, due, schedule, tag
+            key, spec.class_name, spec.method, encoded, due, schedule, tag, payload
         )
         return task
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Connection, Engine
 
@@ -26,6 +27,9 @@ class TaskContext:
     started_at_ms: int = 0
     transaction: Connection | None = None
     """The run's connection in its transaction, for `@exposed(transactional=True)`; else None."""
+    payload: Any = None
+    """What travels with the task (`create(..., payload=)`), decoded from JSON: the same on
+    every attempt; None when it has none."""
 
     @property
     def tx(self) -> Connection:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar, overload
 from keyexpiry import limits
 from keyexpiry.errors import ArgumentError, ConfigError, UnknownTaskError
 from keyexpiry.keys import check_name, clip, shorten
+from keyexpiry.payloads import PAYLOAD_PARAMETER
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -181,13 +182,26 @@ class TaskSpec:
     options: ExposeOptions
     is_async: bool = False
     """An `async def` method: the listener awaits it on its event loop."""
+    takes_payload: bool = False
+    """The method has a parameter named `payload`: it receives the task's payload (keyword),
+    which is no argument of the key."""
+    checked: bool = True
+    """False for a task this process knows only by name (a producer without the handler's code
+    and without a declared signature): its arguments are encoded by their own types."""
+    runnable: bool = True
+    """False for a signature declared without the code (`Registry.declare`): creatable, never
+    run here."""
 
     def encode_args(self, args: Sequence[object]) -> tuple[str, ...]:
         """Check Python values against the signature and return their canonical key strings.
 
         Strings are accepted for any type and parsed (that is how the CLI passes them); other
         values are converted to the annotated type when that loses nothing (`5.0` for an int).
+        A task known only by name (`checked` false) encodes each value by its own type, with
+        the same canonical rules; the listener that runs it checks them against the handler.
         """
+        if not self.checked:
+            return tuple(_encode_by_type(self.label, i, value) for i, value in enumerate(args))
         self._check_count(len(args))
         out: list[str] = []
         for param, value in zip(self.params, args, strict=False):
@@ -214,6 +228,8 @@ class TaskSpec:
         """The key strings keyexpiry 0.1 made of `args` before keys became canonical (a Decimal
         as written, `19.90`; an int given for a float, `5`), so `cancel` still finds a task
         created before the upgrade. Only called after `encode_args` accepted `args`."""
+        if not self.checked:
+            return self.encode_args(args)  # no signature: no older spelling to guess
         out: list[str] = []
         for param, value, canonical in zip(self.params, args, self.encode_args(args), strict=False):
             if isinstance(value, Decimal | int) and not isinstance(value, bool):
@@ -314,12 +330,79 @@ def exposed(
     return mark(func) if func is not None else mark
 
 
+class _NoCode:
+    """The class of a task this process can create but not run (`Registry.by_name`)."""
+
+
+def _encode_by_type(label: str, position: int, value: object) -> str:
+    # The exact type: a bool is no int here, a datetime no date (refused, as in a signature).
+    conv = CONVERTERS.get(type(value))
+    if conv is None:
+        names = ", ".join(c.type_name for c in CONVERTERS.values())
+        raise ArgumentError(
+            f"{label}: argument {position + 1} is a {type(value).__name__}; a task created "
+            f"without its handler's code takes {names} (or declare its signature: "
+            "keyexpiry.signature)"
+        )
+    try:
+        return conv.encode(conv.coerce(value))
+    except (TypeError, ValueError) as exc:  # NaN, infinity
+        raise ArgumentError(f"{label}: argument {position + 1}: {shorten(str(exc), 120)}") from None
+
+
 class Registry:
     """Maps class names to task classes and their exposed methods."""
 
     def __init__(self) -> None:
         self._specs: dict[tuple[str, str], TaskSpec] = {}
         self._classes: dict[str, type] = {}
+        self._declared: dict[tuple[str, str], TaskSpec] = {}
+
+    def declare(self, name: str, /, **params: Any) -> TaskSpec:
+        """Declare the signature of task `name` ("Class.method") without its code, as
+        `param=type` in order (a type a task method may annotate; a default is not declared):
+        a producer then gets the handler's checks and canonical keys at create time. Declared
+        tasks are never run by this registry's listener."""
+        class_name, sep, method = name.partition(".")
+        if not sep:
+            raise ConfigError(f"{clip(name)}: name a task as 'Class.method'")
+        check_name(class_name, "class name")
+        check_name(method, "method name")
+        declared: list[Param] = []
+        for param, hint in params.items():
+            conv = CONVERTERS.get(hint)
+            if conv is None:
+                names = ", ".join(c.type_name for c in CONVERTERS.values())
+                raise ConfigError(f"{name}: parameter {param} has type {hint!r}; allowed: {names}")
+            declared.append(Param(param, conv, True))
+        spec = TaskSpec(
+            class_name, method, _NoCode, tuple(declared), ExposeOptions(), runnable=False
+        )
+        self._declared[(class_name, method)] = spec
+        return spec
+
+    def by_name(self, class_name: str, method: str) -> TaskSpec:
+        """The spec a producer creates `class_name.method` with: the registered one; else a
+        declared signature (`declare`); else, in a registry without any task class (a process
+        that only produces: it imported no handler code), one that encodes arguments by their
+        own types, which the listener that runs the task checks against the handler.
+
+        UnknownTaskError for a method a registered class does not expose, and for a class
+        neither registered nor declared in a registry that has classes: a process that knows
+        its tasks refuses a name it does not know (a typo would make a task nobody runs)."""
+        spec = self._specs.get((class_name, method))
+        if spec is not None:
+            return spec
+        declared = self._declared.get((class_name, method))
+        if declared is not None and class_name not in self._classes:
+            return declared
+        if self._classes:
+            return self.resolve(class_name, method)  # raises
+        check_name(class_name, "class name")
+        check_name(method, "method name")
+        return TaskSpec(
+            class_name, method, _NoCode, (), ExposeOptions(), checked=False, runnable=False
+        )
 
     def register(self, cls: type[T] | None = None, *, name: str | None = None) -> Any:
         """Class decorator: register `cls` (under `name`, default its own name)."""
@@ -339,7 +422,8 @@ class Registry:
                     f"{class_name}.{shorten(method)} is not an exposed task method"
                 )
             raise UnknownTaskError(
-                f"task class {clip(class_name)} is not registered (import its module with --tasks)"
+                f"task class {clip(class_name)} is not registered (import its module with "
+                "--tasks, or declare it: keyexpiry.signature)"
             )
         return spec
 
@@ -396,7 +480,13 @@ class Registry:
                     "not `async def` ones"
                 )
             self._specs[(name, attr)] = TaskSpec(
-                name, attr, cls, _params(cls, member), options, inspect.iscoroutinefunction(member)
+                name,
+                attr,
+                cls,
+                _params(cls, member),
+                options,
+                inspect.iscoroutinefunction(member),
+                PAYLOAD_PARAMETER in inspect.signature(member).parameters,
             )
             found = True
         if not found:
@@ -410,9 +500,18 @@ def _params(cls: type, func: Callable[..., Any]) -> tuple[Param, ...]:
     except Exception as exc:
         raise ConfigError(f"{label}: cannot read type annotations: {exc}") from None
     params: list[Param] = []
+    payload_seen = False
     for i, p in enumerate(inspect.signature(func).parameters.values()):
         if i == 0:
             continue  # self
+        if p.name == PAYLOAD_PARAMETER:
+            if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                raise ConfigError(f"{label}: `payload` must be a parameter passed by name")
+            payload_seen = True
+            continue  # the task's payload, passed by name: no argument of the key
+        if payload_seen and p.kind is not p.KEYWORD_ONLY:
+            # The key's arguments are passed by position: one after `payload` would take it.
+            raise ConfigError(f"{label}: `payload` must come after the task's arguments")
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             raise ConfigError(f"{label}: only plain positional parameters are supported ({p.name})")
         hint = hints.get(p.name, str)
@@ -426,6 +525,12 @@ def _params(cls: type, func: Callable[..., Any]) -> tuple[Param, ...]:
 
 default_registry = Registry()
 """The registry `@task` adds to and the listener and CLI use."""
+
+
+def signature(name: str, /, **params: Any) -> TaskSpec:
+    """Declare task `name`'s signature in the default registry without its code
+    (`Registry.declare`): `keyexpiry.signature("OrderTimeout.close_unpaid", order_id=int)`."""
+    return default_registry.declare(name, **params)
 
 
 def task(cls: type[T] | None = None, *, name: str | None = None) -> Any:

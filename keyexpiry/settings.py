@@ -79,6 +79,8 @@ class Settings:
     log_level: str = "INFO"
     result_max_bytes: int = 65_536
     """Largest handler return value kept with its row, in bytes of JSON (`result`)."""
+    payload_max_bytes: int = 65_536
+    """Largest payload a create accepts, in bytes of JSON (`create(..., payload=)`)."""
     http: str = ""
     """`HOST:PORT` for the listener's /metrics, /healthz and /readyz; empty: not served."""
     web_allowed_hosts: tuple[str, ...] = ()
@@ -231,13 +233,14 @@ _RANGES: dict[str, tuple[float, float]] = {
     # A result travels in one of the recorder's UPDATEs: 1 MiB stays below the smallest
     # max_allowed_packet a server is likely to have (4 MiB on MySQL 5.7, 16 MiB on MariaDB).
     "result_max_bytes": (1, 1024 * 1024),
+    "payload_max_bytes": (1, 4 * 1024 * 1024),  # a row below max_allowed_packet (16 MiB)
 }
 """Every numeric setting and its accepted range (finite, inclusive). A loop's interval is at
 least `limits.MIN_INTERVAL_S`: a smaller one (1e-300) spins a thread at 100 % CPU; the driver's
 window and look-ahead at least 1 s (its reads are per window)."""
 _WHOLE = (
     "concurrency", "async_concurrency", "sentinel_count", "claim_batch", "driver_max_rows",
-    "result_max_bytes",
+    "result_max_bytes", "payload_max_bytes",
 )  # fmt: skip
 
 

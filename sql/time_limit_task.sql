@@ -18,6 +18,9 @@
 --     DROP INDEX ix_time_limit_task_status_due,
 --     DROP INDEX ix_time_limit_task_claimed_by;
 --
+-- Upgrading a table created before payload (keyexpiry init-db does this):
+--   ALTER TABLE time_limit_task ADD COLUMN payload MEDIUMTEXT NULL;
+--
 -- Upgrading a table created before tag and result (keyexpiry init-db does this):
 --   ALTER TABLE time_limit_task
 --       ADD COLUMN tag VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
@@ -42,6 +45,7 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     last_error       MEDIUMTEXT   NULL,
     tag              VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,  -- business key
     result           MEDIUMTEXT   NULL,                -- the handler's return value, JSON
+    payload          MEDIUMTEXT   NULL,                -- what travels with the task, JSON
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key),
     -- the listener claims by key; running rows by lease (and a dead listener's among them)

@@ -6,6 +6,7 @@ import os
 import threading
 from collections import Counter
 from decimal import Decimal
+from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert, update
 
@@ -96,6 +97,17 @@ class Probe:
     @exposed
     def record(self, name: str) -> None:
         _note(name)
+
+    @exposed(retry_schedule_s=[0.05])
+    def with_payload(self, name: str, payload: Any = None) -> None:
+        """Notes (name, payload, current().payload); fails its first attempt when the payload
+        says `fail_once` (every attempt must see the same payload), and while `name` is in
+        BROKEN."""
+        _note(name, payload, current().payload)
+        if isinstance(payload, dict) and payload.get("fail_once") and current().attempt == 1:
+            raise RuntimeError("first attempt fails")
+        if name in BROKEN:
+            raise RuntimeError(f"{name} is broken")
 
     @exposed
     def logged(self, name: str) -> None:

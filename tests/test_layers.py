@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "masking",
     ),
     ("redis",),  # 1: Redis servers and clients, arming keys (each kind parses its own URL)
-    ("settings", "registry", "retries", "results", "run_metrics"),  # 2: settings, what may run
+    ("settings", "registry", "retries", "results", "payloads", "run_metrics"),  # 2: settings, runs
     ("ledger",),  # 3: the SQL ledger
     ("runtime",),  # 4: settings -> connections, once
     ("client", "aio", "scheduler"),  # 5: business code's side

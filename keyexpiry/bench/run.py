@@ -139,13 +139,20 @@ def _scenario(
             srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
         )
     elif name == "create":
-        res["default"] = _runs(
-            "create",
-            runs,
-            lambda: scenarios.create_rates(
-                srv, backend, single=int(5000 * size), bulk=int(100_000 * size)
-            ),
-        )
+        # Plain, and every task with a 1 KB payload, in the same run: their ratio is the cost.
+        for label, payload in (("default", None), ("payload=1KB", scenarios.PAYLOAD_1KB)):
+            res[label] = _runs(
+                f"create {label}",
+                runs,
+                functools.partial(
+                    scenarios.create_rates,
+                    srv,
+                    backend,
+                    single=int(5000 * size),
+                    bulk=int(100_000 * size),
+                    payload=payload,
+                ),
+            )
     elif name == "sparse":
         for others in [100_000] if quick else [100_000, 1_000_000]:
             urls = scenarios.prepare_sparse(srv, backend, others)

@@ -185,7 +185,9 @@ def _bare_round_trips(client: Client) -> Iterator[Callable[[], None]]:
         raw.close()
 
 
-def create_rates(srv: Servers, backend: str, *, single: int, bulk: int) -> dict[str, Any]:
+def create_rates(
+    srv: Servers, backend: str, *, single: int, bulk: int, payload: Any = None
+) -> dict[str, Any]:
     """Tasks/s for one-at-a-time and bulk create, and Redis bytes per pending task.
 
     The one-at-a-time rate is a running application's: its first `COLD` creates (which open
@@ -193,13 +195,13 @@ def create_rates(srv: Servers, backend: str, *, single: int, bulk: int) -> dict[
     apart, as `single_cold_per_s`. Blocks of creates alternate with blocks of the same number of
     bare round trips (`_bare_round_trips`): `floor_per_s` is what this machine allowed, and
     `single_vs_floor` (the median of the blocks' ratios) is the figure the machine's noise
-    moves least.
+    moves least. `payload`: what every task carries (`create(..., payload=)`).
     """
     redis_url, db_url = srv.fresh(backend)
     with Client(settings_for(redis_url, db_url)) as client:
         start = time.perf_counter()
         for i in range(COLD):
-            client.create("Bench.other", -1 - i, ttl_s=86_400)
+            client.create("Bench.other", -1 - i, ttl_s=86_400, payload=payload)
         cold_rate = COLD / (time.perf_counter() - start)
         single_s = floor_s = 0.0
         ratios = []
@@ -208,7 +210,7 @@ def create_rates(srv: Servers, backend: str, *, single: int, bulk: int) -> dict[
                 count = min(BLOCK, single - first)
                 start = time.perf_counter()
                 for i in range(first, first + count):
-                    client.create("Bench.other", i, ttl_s=86_400)
+                    client.create("Bench.other", i, ttl_s=86_400, payload=payload)
                 took_s = time.perf_counter() - start
                 start = time.perf_counter()
                 for _ in range(count):
@@ -221,7 +223,7 @@ def create_rates(srv: Servers, backend: str, *, single: int, bulk: int) -> dict[
         start = time.perf_counter()
         for base in range(single, single + bulk, CHUNK):
             client.create_many(
-                TaskRequest("Bench.other", (i,), ttl_s=86_400)
+                TaskRequest("Bench.other", (i,), ttl_s=86_400, payload=payload)
                 for i in range(base, min(single + bulk, base + CHUNK))
             )
         bulk_rate = bulk / (time.perf_counter() - start)
@@ -244,3 +246,10 @@ def prepare_sparse(srv: Servers, backend: str, others: int) -> tuple[str, str]:
     with Client(settings_for(*urls)) as client:
         _create_others(client, others)
     return urls
+
+
+PAYLOAD_1KB = {
+    "template": "reminder",
+    "lines": [{"sku": f"SKU-{i:04d}", "qty": i} for i in range(34)],
+}
+"""A payload of about 1 KB of JSON, as a reminder with its order lines would carry."""

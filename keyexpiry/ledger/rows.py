@@ -63,6 +63,8 @@ class TaskRow:
     """The task's business key (`create(..., tag=)`), or None."""
     result_json: str | None = None
     """The handler's return value as stored: JSON text, or None (see `result`)."""
+    payload_json: str | None = None
+    """What travels with the task as stored: JSON text, or None (see `payload`)."""
     unreadable: frozenset[str] = frozenset()
     """Columns whose stored value could not be read as what they hold (text in a time): the
     field holds a stand-in (`UNREADABLE_MS` for a time, 0 for attempts), `to_json` gives None,
@@ -79,6 +81,17 @@ class TaskRow:
             return json.loads(self.result_json)
         except ValueError:
             return self.result_json
+
+    @property
+    def payload(self) -> Any:
+        """What travels with the task (`create(..., payload=)`), decoded from JSON; None when it
+        has none. Text that is not JSON (written outside keyexpiry) comes back as that text."""
+        if self.payload_json is None:
+            return None
+        try:
+            return json.loads(self.payload_json)
+        except ValueError:
+            return self.payload_json
 
     def to_json(self) -> dict[str, Any]:
         """The `list --json` / `show --json` object: times as epoch seconds (float)."""
@@ -103,6 +116,7 @@ class TaskRow:
             "last_error": self.last_error,
             "tag": self.tag,
             "result": self.result,
+            "payload": self.payload,
             "problem": self.problem,
         }
 
@@ -119,6 +133,8 @@ class NewTask:
     retry_schedule_s: tuple[float, ...] | None = None
     tag: str | None = None
     """Kept by a reschedule that gives none (`keyexpiry.tags`)."""
+    payload: str | None = None
+    """JSON text (`keyexpiry.payloads`); kept by a reschedule that gives none, like the tag."""
 
 
 # Made once: `json.dumps` given options builds an encoder on every call.
@@ -435,6 +451,11 @@ def _task_row(
         reading = reading or _Reading()
         created_at_ms = reading.ms(created_at_ms, "created_at_ms")
     last_error, tag = r.last_error, r.tag
+    # Absent from a ledger not yet upgraded (a CLI reading it before a listener added it).
+    payload = getattr(r, "payload", None)
+    if payload is not None and type(payload) is not str:
+        reading = reading or _Reading()
+        payload = reading.maybe_text(payload, "payload")
     if last_error is not None and type(last_error) is not str:
         reading = reading or _Reading()
         last_error = reading.maybe_text(last_error, "last_error")
@@ -474,6 +495,7 @@ def _task_row(
         problem=problem,
         tag=tag,
         result_json=result_json,
+        payload_json=payload,
         unreadable=unreadable,
     )
 

@@ -233,6 +233,7 @@ class ScheduleQueries(Ledger):
             "last_error": None,
             "tag": t.tag,
             "result": None,
+            "payload": t.payload,
         }
 
 

@@ -98,6 +98,8 @@ time_limit_task = Table(
     Column("tag", _TAG_TYPE, nullable=True),
     # The handler's return value as JSON (NULL: it returned None, or has not succeeded).
     Column("result", _TEXT_TYPE, nullable=True),
+    # What travels with the task, as JSON (`create(..., payload=)`; NULL: none): never in the key.
+    Column("payload", _TEXT_TYPE, nullable=True),
     # Running rows by lease (expired leases); a dead listener's runs are a filter on this range,
     # which holds only the fleet's runs in flight.
     Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
@@ -391,6 +393,12 @@ def _kept_tag(new: Any) -> Any:
     return func.coalesce(new, T.c.tag)
 
 
+def _kept_payload(new: Any) -> Any:
+    # As a tag: a reschedule that gives no payload keeps the one the task has; one that gives a
+    # payload replaces it.
+    return func.coalesce(new, T.c.payload)
+
+
 def _moved_on(new: Any) -> Any:
     """`updated_at_ms` of a row a create resets: the create's time, or a millisecond past the
     row's own when that is not earlier.
@@ -433,6 +441,7 @@ def upsert_statement(dialect: str) -> Any:
                 # the row version `xmax`).
                 "updated_at_ms": _moved_on(ins.excluded.updated_at_ms),
                 "tag": _kept_tag(ins.excluded.tag),
+                "payload": _kept_payload(ins.excluded.payload),
             },
         )
     # Every inserted column a bound value: PyMySQL folds an executemany into multi-row INSERTs
@@ -444,13 +453,14 @@ def upsert_statement(dialect: str) -> Any:
             **{c: _FRESH.get(c, mins.inserted[c]) for c in _RESET_ON_CREATE},
             "updated_at_ms": _moved_on(mins.inserted.updated_at_ms),
             "tag": _kept_tag(mins.inserted.tag),
+            "payload": _kept_payload(mins.inserted.payload),
         }
     )
 
 
 _LITERAL_COLUMNS = (
     "task_key", "class_name", "method", "args", "status", "attempts", "retry_schedule_s",
-    "due_at_ms", "created_at_ms", "updated_at_ms", "tag",
+    "due_at_ms", "created_at_ms", "updated_at_ms", "tag", "payload",
 )  # fmt: skip
 """The columns `LiteralUpsert.statements` writes, in the order of its row literal (the run
 columns are left to their default, NULL: a shorter row for the server to parse)."""
@@ -510,7 +520,8 @@ class LiteralUpsert:
         return (
             f"({escape(t.key)},{quoted},{escape(args_json(t.args))},{self._pending},0,"
             f"{'NULL' if schedule is None else escape(schedule)},{int(t.due_at_ms)},"
-            f"{now},{now},{'NULL' if t.tag is None else escape(t.tag)})"
+            f"{now},{now},{'NULL' if t.tag is None else escape(t.tag)},"
+            f"{'NULL' if t.payload is None else escape(t.payload)})"
         )
 
     def statements(
@@ -549,6 +560,7 @@ _ARRAY_COLUMNS = (
     ("retry_schedule_s", "r", "text"),
     ("due_at_ms", "d", "bigint"),
     ("tag", "t", "varchar"),
+    ("payload", "p", "text"),
 )
 """The columns a PostgreSQL bulk upsert takes per task, each as an array parameter: (column,
 parameter, element type)."""
@@ -590,6 +602,7 @@ def array_upsert_params(tasks: Iterable[NewTask], now_ms: int) -> dict[str, Any]
     r: list[str | None] = []
     d: list[int] = []
     t: list[str | None] = []
+    p: list[str | None] = []
     for task in tasks:
         k.append(task.key)
         c.append(task.class_name)
@@ -598,4 +611,5 @@ def array_upsert_params(tasks: Iterable[NewTask], now_ms: int) -> dict[str, Any]
         r.append(schedule_json(task.retry_schedule_s))
         d.append(int(task.due_at_ms))
         t.append(task.tag)
-    return {"k": k, "c": c, "m": m, "a": a, "r": r, "d": d, "t": t, "now": int(now_ms)}
+        p.append(task.payload)
+    return {"k": k, "c": c, "m": m, "a": a, "r": r, "d": d, "t": t, "p": p, "now": int(now_ms)}

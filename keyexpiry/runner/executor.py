@@ -228,12 +228,17 @@ class Executor:
         # A due time before 1970 (written outside keyexpiry) is shown to the handler as the
         # earliest one keyexpiry writes: a time any datetime can hold.
         due_at_ms = max(row.due_at_ms, limits.MIN_DUE_MS)
-        ctx = TaskContext(row.key, row.attempts, due_at_ms, self.rt.store.engine, started_ms)
+        payload = row.payload
+        ctx = TaskContext(
+            row.key, row.attempts, due_at_ms, self.rt.store.engine, started_ms, payload=payload
+        )
         spec = run.spec
 
         def call() -> Any:
             # The instance is made inside the call: a constructor that raises is the handler's
             # failure, retried like any other.
+            if spec.takes_payload:
+                return spec.bind()(*args, payload=payload)
             return spec.bind()(*args)
 
         return call, ctx

@@ -28,6 +28,7 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     last_error       TEXT         NULL,
     tag              VARCHAR(128) COLLATE "C" NULL,    -- business key
     result           TEXT         NULL,                -- the handler's return value, JSON
+    payload          TEXT         NULL,                -- what travels with the task, JSON
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key)
 );
