@@ -31,6 +31,7 @@ from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
 from keyexpiry.settings import Settings
 from keyexpiry.tags import check_tag
+from keyexpiry.tracing import current_traceparent
 
 Status = TaskStatus | Literal["pending", "running", "done", "dead", "cancelled"]
 """A status as callers write it: `TaskStatus.DONE` or `"done"`."""
@@ -423,6 +424,8 @@ class _Batch:
 
     def __init__(self, client: Client, now_ms: int) -> None:
         self._client, self._now_ms = client, now_ms
+        # The caller's span, once for the batch (None without OpenTelemetry, at no cost).
+        self._traceparent = current_traceparent()
         self.new: dict[str, NewTask] = {}
         self.rules: dict[str, IfExists] = {}
         """Only the keys whose (last) request is not "replace": a bulk create of the default
@@ -455,8 +458,9 @@ class _Batch:
             else encode_payload(req.payload, self._client.settings.payload_max_bytes)
         )
         task = self.new[key] = NewTask(
-            key, spec.class_name, spec.method, encoded, due, schedule, tag, payload
-        )
+            key, spec.class_name, spec.method, encoded, due, schedule, tag, payload,
+            self._traceparent,
+        )  # fmt: skip
         return task
 
     def add_all(self, requests: Iterable[TaskRequest]) -> None:

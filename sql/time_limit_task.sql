@@ -18,8 +18,9 @@
 --     DROP INDEX ix_time_limit_task_status_due,
 --     DROP INDEX ix_time_limit_task_claimed_by;
 --
--- Upgrading a table created before payload (keyexpiry init-db does this):
---   ALTER TABLE time_limit_task ADD COLUMN payload MEDIUMTEXT NULL;
+-- Upgrading a table created before payload and traceparent (keyexpiry init-db does this):
+--   ALTER TABLE time_limit_task ADD COLUMN payload MEDIUMTEXT NULL,
+--                               ADD COLUMN traceparent VARCHAR(55) NULL;
 --
 -- Upgrading a table created before tag and result (keyexpiry init-db does this):
 --   ALTER TABLE time_limit_task
@@ -46,6 +47,7 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     tag              VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,  -- business key
     result           MEDIUMTEXT   NULL,                -- the handler's return value, JSON
     payload          MEDIUMTEXT   NULL,                -- what travels with the task, JSON
+    traceparent      VARCHAR(55)  NULL,                -- W3C traceparent of the creating span
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key),
     -- the listener claims by key; running rows by lease (and a dead listener's among them)

@@ -110,6 +110,14 @@ class Probe:
             raise RuntimeError(f"{name} is broken")
 
     @exposed
+    def traced(self, name: str) -> None:
+        """Opens a span of its own: it must nest under the run's span."""
+        from opentelemetry import trace
+
+        with trace.get_tracer("handler").start_as_current_span("inside the handler"):
+            _note(name)
+
+    @exposed
     def logged(self, name: str) -> None:
         _note(name)
         # One O_APPEND write per run: lines from concurrent workers and processes never mix.

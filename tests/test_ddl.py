@@ -51,7 +51,7 @@ def test_sql_file_and_model_create_the_same_table(
         metadata.create_all(model_engine)
         model_engine.dispose()
         from_sql = _describe(mysql_url)
-        assert len(from_sql[0]) == 19 and len(from_sql[1]) >= 4 and from_sql[2]
+        assert len(from_sql[0]) == 20 and len(from_sql[1]) >= 4 and from_sql[2]
         assert from_sql == _describe(other)
         listeners = _describe(mysql_url, "keyexpiry_listener")
         assert len(listeners[0]) == 8 and listeners[1]
@@ -99,7 +99,7 @@ def test_postgres_sql_files_and_model_create_the_same_tables(
         metadata.create_all(model_engine)
         model_engine.dispose()
         from_sql = _describe(pg_url)
-        assert len(from_sql[0]) == 19 and len(from_sql[1]) >= 4 and from_sql[2]
+        assert len(from_sql[0]) == 20 and len(from_sql[1]) >= 4 and from_sql[2]
         assert from_sql == _describe(other)
         assert _describe(pg_url, "keyexpiry_listener") == _describe(other, "keyexpiry_listener")
         # Keys and tags compare byte for byte, whatever the database's locale.

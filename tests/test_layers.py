@@ -17,7 +17,8 @@ PACKAGE = Path(keyexpiry.__file__).parent
 LAYERS: tuple[tuple[str, ...], ...] = (
     # 0: the process's basics and what a key is; no settings, no connections
     (
-        "errors", "keys", "limits", "tags", "clock", "threads", "log", "printable", "context",
+        "errors", "keys", "limits", "tags", "tracing", "clock", "threads", "log", "printable",
+        "context",
         "masking",
     ),
     ("redis",),  # 1: Redis servers and clients, arming keys (each kind parses its own URL)

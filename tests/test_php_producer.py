@@ -161,7 +161,7 @@ def _same_sql(text: str) -> str:
 def _without_payload(sql: str) -> str:
     """PROTOCOL.md's create without its payload column: what a producer sends on a ledger
     without one, and the PHP producer sends for a create without a payload."""
-    sql = re.sub(r",\s*payload\s*\)", ")", sql, count=1)
+    sql = re.sub(r",\s*payload\s*(?=[,)])", "", sql, count=1)
     sql = re.sub(r",\s*\?\s*\)", ")", sql, count=1)
     return re.sub(r",\s*payload\s*=\s*coalesce\((?:[^()]|\([^()]*\))*\)", "", sql)
 

@@ -123,7 +123,7 @@ def test_the_create_is_the_statement_keyexpiry_sends_to_mariadb(mysql_url: str) 
             sent = LiteralUpsert(conn.dialect).one(escape, task, 1_700_000_000_000)
             quoted = [escape(task.key), escape("Probe"), escape("record"), escape('["a@b"]')]
             times = [str(task.due_at_ms), "1700000000000", "1700000000000"]
-            params = iter([*quoted, "NULL", *times, "NULL", "NULL"])
+            params = iter([*quoted, "NULL", *times, "NULL", "NULL", "NULL"])
             documented = re.sub(r"\?", lambda _m: next(params), BLOCKS["create"])
     finally:
         engine.dispose()
@@ -199,7 +199,7 @@ class CliProducer:
     ) -> int:
         class_name, method = key[len(self.prefix) :].split("@")[:2]
         params = [key, class_name, method, json.dumps(list(args), ensure_ascii=False), None]
-        return self.execute("create", [*params, due_ms, now_ms, now_ms, None, payload])
+        return self.execute("create", [*params, due_ms, now_ms, now_ms, None, payload, None])
 
     def arm(self, key: str, due_ms: int, now_ms: int) -> None:
         values = {"key": key, "due_at_ms": max(due_ms, 1), "prefix": self.prefix, "db": self.db}
@@ -387,7 +387,9 @@ def test_the_creates_affected_rows_say_new_or_reset_within_one_millisecond(
         database=url.database, client_flag=CLIENT.FOUND_ROWS, autocommit=True,
     )  # fmt: skip
     other = producer.key("Probe", "record", ["found rows"])
-    params = [other, "Probe", "record", '["found rows"]', None, now + 60_000, now, now, None, None]
+    params = [
+        other, "Probe", "record", '["found rows"]', None, now + 60_000, now, now, None, None, None,
+    ]  # fmt: skip
     try:
         with found_rows.cursor() as cursor:
             sql = BLOCKS["create"].replace("?", "%s")

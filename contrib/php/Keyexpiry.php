@@ -233,6 +233,9 @@ final class Producer
         return $this->lastDueAtMs;
     }
 
+    /** The W3C traceparent the next creates store (docs/PROTOCOL.md), or null for none. */
+    public ?string $traceparent = null;
+
     /** What the last create did: 'created' (a new key) or 'replaced' (an existing row reset). */
     public function lastOutcome(): ?string
     {
@@ -253,8 +256,8 @@ final class Producer
         $payloadSet = $withPayload ? ",\n    payload = coalesce({$new('payload')}, $table.payload)" : '';
         return <<<SQL
             INSERT INTO $table (task_key, class_name, method, args, status, attempts,
-                retry_schedule_s, due_at_ms, created_at_ms, updated_at_ms, tag$payloadColumn)
-            VALUES (?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?, ?$payloadValue)$alias
+                retry_schedule_s, due_at_ms, created_at_ms, updated_at_ms, tag$payloadColumn, traceparent)
+            VALUES (?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?, ?$payloadValue, ?)$alias
             ON DUPLICATE KEY UPDATE args = {$new('args')}, status = 'pending', attempts = 0,
                 retry_schedule_s = {$new('retry_schedule_s')}, due_at_ms = {$new('due_at_ms')},
                 created_at_ms = {$new('created_at_ms')},
@@ -262,7 +265,8 @@ final class Producer
                     AND $table.updated_at_ms < 9223372036854775807)
                     THEN $table.updated_at_ms + 1 ELSE {$new('updated_at_ms')} END,
                 started_at_ms = NULL, finished_at_ms = NULL, claimed_by = NULL, lease_until_ms = NULL,
-                last_error = NULL, tag = coalesce({$new('tag')}, $table.tag), result = NULL$payloadSet
+                last_error = NULL, tag = coalesce({$new('tag')}, $table.tag), result = NULL$payloadSet,
+                traceparent = {$new('traceparent')}
             SQL;
     }
 
@@ -368,6 +372,7 @@ final class Producer
         if ($withPayload) {
             $params[] = $this->payloadJson($payload);
         }
+        $params[] = $this->traceparent;  // null: no trace for the handler's span to continue
         $this->checkCharset();
         $changed = $this->execute(self::createSql($this->rowAlias(), $withPayload), $params);
         // 1: a new key; 2: an existing row reset (docs/PROTOCOL.md).

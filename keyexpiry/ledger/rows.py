@@ -65,6 +65,8 @@ class TaskRow:
     """The handler's return value as stored: JSON text, or None (see `result`)."""
     payload_json: str | None = None
     """What travels with the task as stored: JSON text, or None (see `payload`)."""
+    traceparent: str | None = None
+    """The W3C traceparent of the span that created the task (`keyexpiry.tracing`), or None."""
     unreadable: frozenset[str] = frozenset()
     """Columns whose stored value could not be read as what they hold (text in a time): the
     field holds a stand-in (`UNREADABLE_MS` for a time, 0 for attempts), `to_json` gives None,
@@ -135,6 +137,8 @@ class NewTask:
     """Kept by a reschedule that gives none (`keyexpiry.tags`)."""
     payload: str | None = None
     """JSON text (`keyexpiry.payloads`); kept by a reschedule that gives none, like the tag."""
+    traceparent: str | None = None
+    """The creating span's W3C traceparent (`keyexpiry.tracing`), or None."""
 
 
 # Made once: `json.dumps` given options builds an encoder on every call.
@@ -456,6 +460,9 @@ def _task_row(
     if payload is not None and type(payload) is not str:
         reading = reading or _Reading()
         payload = reading.maybe_text(payload, "payload")
+    traceparent = getattr(r, "traceparent", None)
+    if traceparent is not None and type(traceparent) is not str:
+        traceparent = None  # only a hint: a value that is no text is no trace to continue
     if last_error is not None and type(last_error) is not str:
         reading = reading or _Reading()
         last_error = reading.maybe_text(last_error, "last_error")
@@ -496,6 +503,7 @@ def _task_row(
         tag=tag,
         result_json=result_json,
         payload_json=payload,
+        traceparent=traceparent,
         unreadable=unreadable,
     )
 

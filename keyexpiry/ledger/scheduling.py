@@ -234,6 +234,7 @@ class ScheduleQueries(Ledger):
             "tag": t.tag,
             "result": None,
             "payload": t.payload,
+            "traceparent": t.traceparent,
         }
 
 

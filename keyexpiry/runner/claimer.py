@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis
 from loguru import logger
 
-from keyexpiry import retries
+from keyexpiry import retries, tracing
 from keyexpiry.errors import KeyExpiryError, StoreError, UnknownTaskError
 from keyexpiry.keys import excerpt, parse_key
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
@@ -205,9 +205,10 @@ class Claimer:
         )
         locked: set[str] = set()
         try:
-            rows = self.rt.store.claim(
-                list(specs), now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
-            )
+            with tracing.span("keyexpiry.claim", **{"keyexpiry.keys": len(specs)}):
+                rows = self.rt.store.claim(
+                    list(specs), now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
+                )
         except StoreError as exc:
             if not exc.lock_timeout:
                 # The statement may have committed before its answer was lost (a failover, a

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from keyexpiry import limits, retries, threads
+from keyexpiry import limits, retries, threads, tracing
 from keyexpiry.clock import monotonic_s
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
@@ -233,13 +233,26 @@ class Executor:
             row.key, row.attempts, due_at_ms, self.rt.store.engine, started_ms, payload=payload
         )
         spec = run.spec
+        traced = tracing.run_span(spec.label, row.key, row.attempts, late, row.traceparent)
 
-        def call() -> Any:
+        def invoke() -> Any:
             # The instance is made inside the call: a constructor that raises is the handler's
             # failure, retried like any other.
             if spec.takes_payload:
                 return spec.bind()(*args, payload=payload)
             return spec.bind()(*args)
+
+        if spec.is_async:
+
+            async def call_async() -> Any:
+                with traced():
+                    return await invoke()
+
+            return call_async, ctx
+
+        def call() -> Any:
+            with traced():
+                return invoke()
 
         return call, ctx
 

@@ -9,6 +9,7 @@ import time
 import redis
 from loguru import logger
 
+from keyexpiry import tracing
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.ledger.rows import Outcome, TaskStatus
@@ -45,7 +46,8 @@ class Recorder:
             if not batch:
                 return
             try:
-                self.rt.store.record(batch, self.rt.clock.now_ms())
+                with tracing.span("keyexpiry.record", **{"keyexpiry.outcomes": len(batch)}):
+                    self.rt.store.record(batch, self.rt.clock.now_ms())
             except Exception as exc:
                 if not isinstance(exc, StoreError | redis.RedisError):
                     # Not an outage: some outcome the database refuses. Write the rest one by one

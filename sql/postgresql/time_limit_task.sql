@@ -29,6 +29,7 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     tag              VARCHAR(128) COLLATE "C" NULL,    -- business key
     result           TEXT         NULL,                -- the handler's return value, JSON
     payload          TEXT         NULL,                -- what travels with the task, JSON
+    traceparent      VARCHAR(55)  NULL,                -- W3C traceparent of the creating span
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key)
 );

@@ -1,0 +1,92 @@
+"""Trace context: with OpenTelemetry installed (`keyexpiry[otel]`), a create stores the caller's
+W3C `traceparent` in the task's row, and the listener runs the handler in a span that is a child
+of it: one trace from the request that scheduled a task to the handler's own spans, however long
+the delay. Claims and outcomes are spans too.
+
+Without OpenTelemetry nothing is imported: every function here returns at once (None, or a
+context manager that does nothing), found out once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_TRACER_NAME = "keyexpiry"
+_api: Any = None
+"""`opentelemetry.trace` once looked up; False when it is not installed."""
+
+
+def _otel() -> Any:
+    global _api
+    if _api is None:
+        try:
+            from opentelemetry import trace
+        except ImportError:
+            _api = False
+        else:
+            _api = trace
+    return _api
+
+
+def current_traceparent() -> str | None:
+    """The W3C `traceparent` of the span current in the caller, None without one (or without
+    OpenTelemetry)."""
+    trace = _otel()
+    if not trace:
+        return None
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+
+def _parent(traceparent: str | None) -> Any:
+    """The OpenTelemetry context whose span is the remote parent `traceparent` names (None for
+    none, or for a value that is no traceparent: a row written by hand)."""
+    if not traceparent:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    context = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+    trace = _otel()
+    return context if trace.get_current_span(context).get_span_context().is_valid else None
+
+
+def run_span(
+    label: str, key: str, attempt: int, late_ms: int | None, traceparent: str | None
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """What a handler's run is wrapped in: a span `run Class.method`, child of the create's
+    trace, current while the handler runs (its own spans nest under it), with the key, attempt
+    and lateness as attributes; an exception it raises is recorded on it. Without OpenTelemetry
+    a context manager that does nothing."""
+    trace = _otel()
+    if not trace:
+        return contextlib.nullcontext
+    attributes: dict[str, Any] = {"keyexpiry.key": key, "keyexpiry.attempt": attempt}
+    if late_ms is not None:
+        attributes["keyexpiry.late_ms"] = late_ms
+
+    def span() -> contextlib.AbstractContextManager[Any]:
+        tracer = trace.get_tracer(_TRACER_NAME)
+        return tracer.start_as_current_span(  # type: ignore[no-any-return]
+            f"run {label}",
+            context=_parent(traceparent),
+            kind=trace.SpanKind.CONSUMER,
+            attributes=attributes,
+        )
+
+    return span
+
+
+@contextlib.contextmanager
+def span(name: str, **attributes: Any) -> Iterator[None]:
+    """A span `name` around a step of the listener (a claim, recording outcomes); nothing
+    without OpenTelemetry."""
+    trace = _otel()
+    if not trace:
+        yield
+        return
+    with trace.get_tracer(_TRACER_NAME).start_as_current_span(name, attributes=attributes):
+        yield
