@@ -199,6 +199,20 @@ def _scenario(
                     _fresh_wave, srv, backend, driver, {**kw, "listeners": listeners}
                 ),
             )
+        if name == "steady":
+            # The same wave, every task carrying a 1 KB payload (the claim reads it back): its
+            # lateness and CPU beside driver=on's are the payload's cost.
+            res["driver=on payload=1KB"] = _runs(
+                "driver=on payload=1KB",
+                runs,
+                functools.partial(
+                    _fresh_wave,
+                    srv,
+                    backend,
+                    True,
+                    {**kw, "listeners": 1, "payload": scenarios.PAYLOAD_1KB},
+                ),
+            )
         if name == "steady" and peers:
             res.update(_peer_runs(srv, runs, kw))
     return res

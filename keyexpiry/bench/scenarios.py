@@ -31,14 +31,19 @@ BLOCK = 500
 """One-at-a-time creates between two blocks of bare round trips."""
 
 
-def _create_wave(client: Client, n: int, first_due_ms: int, span_ms: int) -> float:
-    """Create `n` noop tasks due evenly over [first_due, first_due + span]; return seconds taken."""
+def _create_wave(
+    client: Client, n: int, first_due_ms: int, span_ms: int, payload: Any = None
+) -> float:
+    """Create `n` noop tasks due evenly over [first_due, first_due + span], each carrying
+    `payload`; return seconds taken."""
     start = time.perf_counter()
     step = span_ms / max(n - 1, 1)
     now = client.clock.now_ms()
     for base in range(0, n, CHUNK):
         client.create_many(
-            TaskRequest("Bench.noop", (i,), ttl_ms=int(first_due_ms + i * step) - now)
+            TaskRequest(
+                "Bench.noop", (i,), ttl_ms=int(first_due_ms + i * step) - now, payload=payload
+            )
             for i in range(base, min(n, base + CHUNK))
         )
     return time.perf_counter() - start
@@ -67,8 +72,10 @@ def due_wave(
     listeners: int = 1,
     cpu_cores: float | None = None,
     settle_port: int | None = None,
+    payload: Any = None,
 ) -> dict[str, Any]:
-    """`n` tasks due over `span_s` seconds; lateness, rate, listener CPU/RSS, fired by the cap.
+    """`n` tasks due over `span_s` seconds (each carrying `payload`); lateness, rate, listener
+    CPU/RSS, fired by the cap.
 
     With several `listeners` the CPU is their sum, the RSS the largest, the lateness of all;
     they share the keys (`keyexpiry.listener.partition`) before the wave is created.
@@ -99,7 +106,7 @@ def due_wave(
         if listeners > 1:
             _wait_sharing(client, listeners)
         first_due = client.clock.now_ms() + int(lead_s * 1000)
-        create_s = _create_wave(client, n, first_due, int(span_s * 1000))
+        create_s = _create_wave(client, n, first_due, int(span_s * 1000), payload)
         # Above 0 the wave was still being created when it fell due: raise lead_s.
         created_after_first_due_ms = max(0, client.clock.now_ms() - first_due)
         wait_s = max(0.0, (first_due - client.clock.now_ms()) / 1000)
