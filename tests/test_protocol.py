@@ -9,6 +9,7 @@ statements; only the assertions use keyexpiry.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -18,6 +19,7 @@ import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pymysql
 import pytest
@@ -68,8 +70,8 @@ def escape_as_documented(arg: str) -> str:
 
 def test_the_page_has_every_block_the_tests_run() -> None:
     assert {
-        "time", "keep", "examples", "create", "create-mysql8", "arm", "arm-due", "wake",
-        "cancel", "cancel-key",
+        "time", "keep", "examples", "create", "create-mysql8", "create-postgres", "arm",
+        "arm-due", "wake", "cancel", "cancel-key",
     } <= set(BLOCKS)  # fmt: skip
     assert len(EXAMPLES) >= 12 and ("", "") in EXAMPLES
 
@@ -437,3 +439,55 @@ def test_the_java_snippet_escapes_as_keyexpiry_does(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [escape_arg(a) for a in args]
+
+
+# --- a producer on a PostgreSQL ledger ---------------------------------------------------------
+
+
+def test_the_postgres_create_writes_what_keyexpiry_writes_and_the_task_runs(
+    pg_url: str, redis_url: str, tmp_path: Path, start_listener: Callable[[Settings], Running]
+) -> None:
+    """PROTOCOL.md's PostgreSQL create, run with psycopg: the same row keyexpiry writes for the
+    same task (every column but the id and the key), `inserted` true for a new key and false for
+    a reset, and a listener runs the task once with its payload."""
+    sample_tasks.reset()
+    settings = make_settings(redis_url, pg_url, tmp_path)
+    sql = BLOCKS["create-postgres"].replace("?", "%s")
+    with Client(settings) as client:
+        raw = client.store.engine.raw_connection()
+        try:
+            driver: Any = raw.driver_connection
+            driver.autocommit = True
+            now = client.clock.now_ms()
+            theirs = client.key_for(sample_tasks.Probe.with_payload, "pg producer")
+            params = [
+                theirs, "Probe", "with_payload", '["pg producer"]', "[0.05]", now + 300, now,
+                now, "order:9", '{"n":1}', None,
+            ]  # fmt: skip
+            with driver.cursor() as cur:
+                assert cur.execute(sql, params).fetchone() == (True,)
+                assert cur.execute(sql, params).fetchone() == (False,)  # a reset, same ms
+            ours = client.key_for(sample_tasks.Probe.with_payload, "keyexpiry")
+            client.store.upsert_pending(
+                [
+                    NewTask(
+                        ours, "Probe", "with_payload", ("pg producer",), now + 300, (0.05,),
+                        "order:9", '{"n":1}',
+                    ),
+                    NewTask(
+                        ours, "Probe", "with_payload", ("pg producer",), now + 300, (0.05,),
+                        "order:9", '{"n":1}',
+                    ),
+                ],
+                now,
+            )  # fmt: skip
+        finally:
+            raw.close()
+        rows = client.store.get_many([theirs, ours])
+        documented, written = (dataclasses.replace(rows[k], id=0, key="") for k in (theirs, ours))
+        assert documented == written
+        client.redis.set(theirs, "", pxat=now + 300)
+        start_listener(settings)
+        wait_status(client, theirs, TaskStatus.DONE)
+        assert sample_tasks.CALLS[theirs] == 1
+        assert sample_tasks.CALL_ARGS[theirs] == ("pg producer", {"n": 1}, {"n": 1})
