@@ -16,16 +16,20 @@ from typing import Any
 _TRACER_NAME = "keyexpiry"
 _api: Any = None
 """`opentelemetry.trace` once looked up; False when it is not installed."""
+_tracer: Any = None
+"""keyexpiry's tracer, made once: OpenTelemetry's API hands out a proxy that follows a tracer
+provider set later, so one made before the application sets its SDK up still records."""
 
 
 def _otel() -> Any:
-    global _api
+    global _api, _tracer
     if _api is None:
         try:
             from opentelemetry import trace
         except ImportError:
             _api = False
         else:
+            _tracer = trace.get_tracer(_TRACER_NAME)
             _api = trace
     return _api
 
@@ -69,8 +73,7 @@ def run_span(
         attributes["keyexpiry.late_ms"] = late_ms
 
     def span() -> contextlib.AbstractContextManager[Any]:
-        tracer = trace.get_tracer(_TRACER_NAME)
-        return tracer.start_as_current_span(  # type: ignore[no-any-return]
+        return _tracer.start_as_current_span(  # type: ignore[no-any-return]
             f"run {label}",
             context=_parent(traceparent),
             kind=trace.SpanKind.CONSUMER,
@@ -88,5 +91,5 @@ def span(name: str, **attributes: Any) -> Iterator[None]:
     if not trace:
         yield
         return
-    with trace.get_tracer(_TRACER_NAME).start_as_current_span(name, attributes=attributes):
+    with _tracer.start_as_current_span(name, attributes=attributes):
         yield

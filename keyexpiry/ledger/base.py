@@ -380,7 +380,8 @@ class Ledger:
         so a lost connection leaves it `maybe_applied`."""
         error = StoreError(f"database {self._url}: {_detail(exc)}")
         error.disconnected = bool(getattr(exc, "connection_invalidated", False))
-        error.maybe_applied = sent and error.disconnected
+        # A server that refused to serve (a standby, a Galera node not ready) ran nothing.
+        error.maybe_applied = sent and error.disconnected and not not_serving(exc)
         error.lock_timeout = error_code(exc) in _LOCK_WAIT_TIMEOUTS
         return error
 
