@@ -20,6 +20,7 @@ from keyexpiry.errors import (
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
 from keyexpiry.ledger.scheduling import Did, IfExists, Scheduled
 from keyexpiry.listener.listener import Listener
+from keyexpiry.pausing import Pause
 from keyexpiry.registry import Registry, default_registry, exposed, signature, task
 from keyexpiry.settings import Settings
 
@@ -35,6 +36,7 @@ __all__ = [
     "KeyFormatError",
     "Listener",
     "NotPendingError",
+    "Pause",
     "RedisConfigError",
     "RedisUnavailableError",
     "Registry",

@@ -128,6 +128,17 @@ class AsyncClient:
     run_now = _in_thread(Client.run_now)
     ttl_ms = _in_thread(Client.ttl_ms)
     ttl_s = _in_thread(Client.ttl_s)
+    pause = _in_thread(Client.pause)
+    resume = _in_thread(Client.resume)
+    paused = _in_thread(Client.paused)
+    held = _in_thread(Client.held)
+    schedule = _in_thread(Client.schedule)
+    schedules = _in_thread(Client.schedules)
+    get_schedule = _in_thread(Client.get_schedule)
+    unschedule = _in_thread(Client.unschedule)
+    pause_schedule = _in_thread(Client.pause_schedule)
+    resume_schedule = _in_thread(Client.resume_schedule)
+    run_schedule_now = _in_thread(Client.run_schedule_now)
 
     # --- internals ----------------------------------------------------------------------------
     async def _run(self, call: Callable[[Client], R]) -> R:

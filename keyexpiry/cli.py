@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 from loguru import logger
@@ -25,6 +25,10 @@ from keyexpiry.limits import MAX_LIST_ROWS
 from keyexpiry.log import configure_logging
 from keyexpiry.masking import redact
 from keyexpiry.settings import Settings
+
+if TYPE_CHECKING:
+    from keyexpiry.client import Client
+    from keyexpiry.ledger.recurring import ScheduleRow
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -402,6 +406,239 @@ def retry(
         raise KeyExpiryError(f"{key} {state}: only dead or failed-and-waiting tasks are retried")
 
 
+def _plain_client(settings: Settings) -> Any:
+    """A client without the task modules: a command that names tasks only by name needs none
+    (nor a module that cannot be imported on this host)."""
+    from keyexpiry.client import Client
+
+    return Client(settings)
+
+
+@app.command()
+@_errors
+def pause(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., metavar="CLASS[.METHOD]"),
+    until: str = typer.Option(
+        None, "--until", help="Until this ISO 8601 time (naive = local time)."
+    ),
+    for_: str = typer.Option(None, "--for", metavar="DURATION", help="For 30m, 2h, 1d, 1h30m…"),
+    reason: str = typer.Option(None, "--reason", help="Why: shown by `paused` and the dashboard."),
+) -> None:
+    """Hold back a task class, or one method, on every listener (until --until, for --for, or
+    until `resume`); its tasks wait, pending, and run once the pause ends."""
+    from keyexpiry.pausing import parse_duration
+    from keyexpiry.printable import printable
+
+    if until is not None and for_ is not None:
+        raise ConfigError("give at most one of --until and --for")
+    when = _when(until, "--until")
+    for_s = None if for_ is None else parse_duration(for_)
+    with _plain_client(_settings(ctx)) as client:
+        done = client.pause(target, until=when, for_s=for_s, reason=reason)
+    end = "until resumed" if done.until_ms is None else f"until {_local_time(done.until_ms)}"
+    why = f" ({done.reason})" if done.reason else ""
+    typer.echo(printable(f"paused {done.target} {end}{why}"))
+
+
+@app.command()
+@_errors
+def resume(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., metavar="CLASS[.METHOD]"),
+) -> None:
+    """End the pause of a task class or method (exit 0 either way; says whether it was
+    paused). Resuming a class leaves the pauses of its methods."""
+    from keyexpiry.pausing import parse_target
+
+    name = parse_target(target)
+    with _plain_client(_settings(ctx)) as client:
+        was_paused = client.resume(name)
+    typer.echo(f"resumed {name}" if was_paused else f"{name} was not paused")
+
+
+@app.command()
+@_errors
+def paused(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+) -> None:
+    """The pauses in force: target, since, until, reason."""
+    from keyexpiry.printable import printable
+
+    with _plain_client(_settings(ctx)) as client:
+        pauses = client.paused()
+    if as_json:
+        for p in pauses:
+            typer.echo(json.dumps(p.to_json()))
+        return
+    if not pauses:
+        typer.echo("nothing is paused")
+        return
+    typer.echo(f"{'TARGET':<30} {'SINCE':<29}  {'UNTIL':<29}  REASON")
+    for p in pauses:
+        end = "until resumed" if p.until_ms is None else _local_time(p.until_ms)
+        line = f"{p.target:<30} {_local_time(p.paused_at_ms):<29}  {end:<29}  {p.reason or ''}"
+        typer.echo(printable(line.rstrip()))
+
+
+def _schedule_task(s: ScheduleRow) -> str:
+    """`Class.method(arg, …)` of a schedule's task, its arguments as canonical text."""
+    return f"{s.class_name}.{s.method}({', '.join(s.args)})"
+
+
+def _schedule_state(s: ScheduleRow) -> str:
+    return "paused" if s.paused else "ended" if s.occurrence_ms is None else "active"
+
+
+def _last_run(s: ScheduleRow) -> str:
+    """How the last run went and when; and when it last succeeded, if that was earlier."""
+    if s.last_status is None or s.last_finished_ms is None:
+        return "never run"
+    text = f"{s.last_status} {_local_time(s.last_finished_ms)}"
+    if s.last_status != "done":
+        ok = "never" if s.last_success_ms is None else _local_time(s.last_success_ms)
+        text += f" (last success: {ok})"
+    return text
+
+
+@app.command("schedules")
+@_errors
+def list_schedules(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+) -> None:
+    """The recurring schedules: name, state (active, paused, ended), task, when it runs, next
+    run and last run."""
+    from keyexpiry.printable import printable
+
+    with _plain_client(_settings(ctx)) as client:
+        rows = client.schedules()
+    if as_json:
+        for s in rows:
+            typer.echo(json.dumps(s.to_json()))
+        return
+    if not rows:
+        typer.echo("no schedules")
+        return
+    typer.echo(f"{'NAME':<24} {'STATE':<6}  {'TASK':<30} {'WHEN':<26} {'NEXT':<29}  LAST RUN")
+    for s in rows:
+        state = _schedule_state(s)
+        # A paused schedule's occurrence waits for its resume; an ended one has none.
+        nxt = _local_time(s.occurrence_ms) if state == "active" else "-"
+        line = (
+            f"{s.name:<24} {state:<6}  {_schedule_task(s):<30} {s.recurrence.describe():<26} "
+            f"{nxt:<29}  {_last_run(s)}"
+        )
+        typer.echo(printable(line))  # names and arguments are text from outside: one line
+
+
+schedule_app = typer.Typer(
+    help="Operate one recurring schedule by its name (`keyexpiry schedules` lists them).",
+    no_args_is_help=True,
+)
+app.add_typer(schedule_app, name="schedule")
+
+
+def _schedule_named(client: Client, name: str) -> ScheduleRow:
+    """Schedule `name`, or a one-line error (exit 1) when there is none."""
+    found = client.get_schedule(name)
+    if found is None:
+        raise KeyExpiryError(f"no schedule named {name!r} (`keyexpiry schedules` lists them)")
+    return found
+
+
+@schedule_app.command("pause")
+@_errors
+def schedule_pause(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME")) -> None:
+    """Stop a schedule (its pending occurrence cancelled) until `schedule resume`; what it
+    misses meanwhile then follows its catch_up."""
+    from keyexpiry.printable import printable
+
+    with _plain_client(_settings(ctx)) as client:
+        if _schedule_named(client, name).paused:
+            typer.echo(printable(f"schedule {name} was already paused"))
+            return
+        if not client.pause_schedule(name):
+            _schedule_named(client, name)  # removed meanwhile: says so
+    typer.echo(printable(f"paused schedule {name} (`keyexpiry schedule resume {name}` to go on)"))
+
+
+@schedule_app.command("resume")
+@_errors
+def schedule_resume(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME")) -> None:
+    """Resume a paused schedule (exit 0 if it was not paused); an occurrence it missed runs
+    now, as its catch_up says."""
+    from keyexpiry.printable import printable
+
+    with _plain_client(_settings(ctx)) as client:
+        if not _schedule_named(client, name).paused:
+            typer.echo(printable(f"schedule {name} was not paused"))
+            return
+        client.resume_schedule(name)
+        after = _schedule_named(client, name)
+        now_ms = client.clock.now_ms()
+    if after.occurrence_ms is None:
+        nxt = "it has ended: nothing more runs"
+    elif after.occurrence_ms <= now_ms:
+        nxt = f"it catches up now (catch_up={after.catch_up})"
+    else:
+        nxt = f"next run {_local_time(after.occurrence_ms)}"
+    typer.echo(printable(f"resumed schedule {name}: {nxt}"))
+
+
+@schedule_app.command("remove")
+@_errors
+def schedule_remove(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME")) -> None:
+    """Delete a schedule and cancel its pending occurrence (a running one finishes)."""
+    from keyexpiry.printable import printable
+
+    with _plain_client(_settings(ctx)) as client:
+        found = _schedule_named(client, name)
+        if not client.unschedule(name):
+            _schedule_named(client, name)  # removed meanwhile: says so
+    typer.echo(printable(f"removed schedule {name}"))
+    if found.source == "code":
+        # Every listener that registers the method declares its schedule as it starts.
+        typer.echo(
+            printable(
+                f"warning: {name} is declared in code (@exposed with cron= or every_s=): a "
+                "listener that registers it declares it again when it starts; remove it "
+                f"from the code, or `keyexpiry schedule pause {name}` instead"
+            ),
+            err=True,
+        )
+
+
+@schedule_app.command("run-now")
+@_errors
+def schedule_run_now(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME")) -> None:
+    """Run a schedule's pending occurrence now, as an extra run: the regular occurrences
+    follow as before. Exit 1 when nothing can start (running, paused or ended)."""
+    from keyexpiry.ledger.rows import TaskStatus
+    from keyexpiry.printable import printable
+
+    with _plain_client(_settings(ctx)) as client:
+        if client.run_schedule_now(name):
+            typer.echo(
+                printable(f"schedule {name}: an extra run is due now (the regular ones follow)")
+            )
+            return
+        # Nothing started: say why.
+        found = _schedule_named(client, name)
+        if found.paused:
+            raise KeyExpiryError(f"schedule {name!r} is paused: nothing started (resume it)")
+        if found.occurrence_ms is None:
+            raise KeyExpiryError(f"schedule {name!r} has ended: nothing started")
+        row = client.store.get(found.task_key)
+    if row is not None and row.status is TaskStatus.RUNNING:
+        raise KeyExpiryError(f"schedule {name!r}: its occurrence is running now, nothing started")
+    raise KeyExpiryError(
+        f"schedule {name!r} has no pending occurrence now (listeners put it back within "
+        "seconds): nothing started, try again"
+    )
+
+
 @app.command()
 @_errors
 def web(
@@ -656,7 +893,7 @@ def init_db(ctx: typer.Context) -> None:
         store.create_schema(all_indexes=True)
     finally:
         store.engine.dispose()
-    typer.echo("time_limit_task and keyexpiry_listener ready")
+    typer.echo("time_limit_task, keyexpiry_listener, keyexpiry_pause and keyexpiry_schedule ready")
 
 
 @app.command()
@@ -695,7 +932,7 @@ def bench(
         None,
         "--scenario",
         help="steady, sparse, burst, throughput, create, listeners (the default: all six); "
-        "ledger, aio, cluster, memory (only when named).",
+        "ledger, aio, cluster, memory, flow (only when named).",
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
     backend: str = typer.Option(
@@ -769,7 +1006,8 @@ def embedded_stop(ctx: typer.Context) -> None:
 def _one_line_help() -> None:
     # Typer shows a docstring's hard line wraps in the command list: each command's summary
     # (its first paragraph) as one line, wrapped to the terminal by typer itself.
-    for info in app.registered_commands:
+    groups = [g.typer_instance for g in app.registered_groups if g.typer_instance is not None]
+    for info in [c for t in (app, *groups) for c in t.registered_commands]:
         doc = inspect.getdoc(info.callback) if info.callback is not None else None
         if info.short_help is None and doc:
             info.short_help = " ".join(doc.split("\n\n")[0].split())

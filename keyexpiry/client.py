@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
+from loguru import logger
 from sqlalchemy import Connection
 
-from keyexpiry import limits
+from keyexpiry import limits, recurring
 from keyexpiry.errors import (
     ArgumentError,
     KeyExpiryError,
@@ -22,13 +23,17 @@ from keyexpiry.errors import (
     UnknownTaskError,
 )
 from keyexpiry.keys import braces_unescaped, clip, format_key, shorten
+from keyexpiry.ledger.recurring import ScheduleRow
 from keyexpiry.ledger.rows import task_status
 from keyexpiry.ledger.scheduling import Did, IfExists, Rule, Scheduled
 from keyexpiry.ledger.store import NewTask, Store, TaskRow, TaskStatus
 from keyexpiry.ledger.transactions import Tx, after_commit, check_same_database, connection_of
+from keyexpiry.pausing import Pause, announce, check_reason, parse_target
 from keyexpiry.payloads import encode_payload
+from keyexpiry.redis.permits import held_counts
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
+from keyexpiry.schedules import CATCH_UP_MAX, cadence
 from keyexpiry.settings import Settings
 from keyexpiry.tags import check_tag
 from keyexpiry.tracing import current_traceparent
@@ -47,6 +52,10 @@ def list_limit(value: object, error: type[KeyExpiryError]) -> int:
 
 Target = str | Callable[..., Any]
 """A task method: the exposed function itself (`OrderTimeout.close_unpaid`) or `"Class.method"`."""
+
+PauseTarget = str | Callable[..., Any] | type
+"""What a pause names: `"Class"` or `"Class.method"`, a registered task class (`OrderTimeout`) or
+one of its exposed methods (`OrderTimeout.close_unpaid`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +380,171 @@ class Client:
         """Ledger rows by due time (`list_tasks` by keyword): `ke.list(tag="order:218")`."""
         return self.list_tasks(status, limit, tag=tag)
 
+    # --- pause / resume -----------------------------------------------------------------------
+    def pause(
+        self,
+        target: PauseTarget,
+        *,
+        until: dt.datetime | None = None,
+        for_s: float | None = None,
+        reason: str | None = None,
+    ) -> Pause:
+        """Hold back every task of `target` across the fleet, from now until `until` (a
+        timezone-aware datetime in the future), for `for_s` seconds, or, with neither, until
+        `resume`. Tasks fall due as usual and wait, pending; they run once the pause ends.
+
+        `target`: `"Class"` (each of its methods) or `"Class.method"`, or the class or exposed
+        method itself. A class this process has not registered may be named (a producer does
+        not import the handlers); the name must be one a task key can hold. Pausing a target
+        again replaces its end and `reason` (at most 255 characters, one line).
+
+        The pause is a ledger row, so it outlives every listener's restart; listeners are told
+        on Redis's wake channel to read it at once (if that message is lost, they read it within
+        a second). Returns the pause as recorded.
+        """
+        name = self._pause_target(target)
+        if until is not None and for_s is not None:
+            raise ArgumentError("give at most one of until and for_s")
+        checked_reason = check_reason(reason)
+        now_ms = self._now_ms()
+        until_ms = None
+        if until is not None:
+            until_ms = _until_ms(until, now_ms)
+        elif for_s is not None:
+            seconds = limits.number(
+                for_s,
+                "for_s",
+                low=0,
+                high=limits.MAX_HORIZON_S,
+                error=ArgumentError,
+                above_low=True,
+            )
+            until_ms = now_ms + max(1, round(seconds * 1000))
+        self.store.pause(name, until_ms=until_ms, now_ms=now_ms, reason=checked_reason)
+        self._announce_pauses()
+        return Pause(name, until_ms, now_ms, checked_reason)
+
+    def resume(self, target: PauseTarget) -> bool:
+        """End the pause of `target` (named as in `pause`); True if it was paused, False if it
+        was not (or its pause had already ended). Its held-back tasks run at once.
+
+        Resuming `"Class"` ends the class's own pause, not those of its methods."""
+        name = self._pause_target(target)
+        was_paused = self.store.resume(name, now_ms=self._now_ms())
+        self._announce_pauses()
+        return was_paused
+
+    def paused(self) -> builtins.list[Pause]:
+        """The pauses in force now, sorted by target."""
+        return self.store.pauses(self._now_ms())
+
+    def held(self) -> dict[str, dict[str, int]]:
+        """What the listeners hold back now, summed over the fleet: task (`Class.method`) →
+        reason (`paused`, `limit`, `rate`, `group`) → how many tasks. Each listener publishes
+        its own counts in Redis; one silent for longer than a takeover counts for nothing."""
+        stale_s = max(3 * self.settings.heartbeat_s, self.settings.takeover_after_s)
+        try:
+            return held_counts(
+                self.redis, self.settings.key_prefix, self._now_ms(), stale_ms=int(stale_s * 1000)
+            )
+        except redis.RedisError as exc:
+            raise RedisUnavailableError(f"Redis: {exc}") from None
+
+    # --- recurring schedules ------------------------------------------------------------------
+    def schedule(
+        self,
+        name: str,
+        target: Target,
+        *args: object,
+        cron: str | None = None,
+        every_s: float | None = None,
+        tz: str = "UTC",
+        start: dt.datetime | None = None,
+        end: dt.datetime | None = None,
+        catch_up: str = "latest",
+        catch_up_max: int = CATCH_UP_MAX,
+        overlap: str = "skip",
+        retry_schedule_s: Sequence[float] | None = None,
+    ) -> ScheduleRow:
+        """Run `target(*args)` on a recurrence, as schedule `name` (README "Recurring
+        schedules"): `cron` (5 fields or `@daily`…, in IANA zone `tz`) or `every_s`; optional
+        `start`/`end` (aware datetimes); `catch_up` after downtime ("latest", "all" up to
+        `catch_up_max`, "none"); `overlap` when a run is still going as the next falls due
+        ("skip", "wait"). Declaring it again with the same definition changes nothing; with
+        another, its pending occurrence is replaced. Returns the schedule as stored."""
+        cad = cadence(
+            cron=cron, every_s=every_s, tz=tz, start=start, end=end, catch_up=catch_up,
+            catch_up_max=catch_up_max, overlap=overlap,
+        )  # fmt: skip
+        return recurring.declare(
+            self.rt, name, self.spec(target), args, cad, retry_schedule_s=retry_schedule_s
+        ).schedule
+
+    def schedules(self) -> builtins.list[ScheduleRow]:
+        """Every schedule, by name: definition, next occurrence, last run."""
+        return self.store.list_schedules()
+
+    def get_schedule(self, name: str) -> ScheduleRow | None:
+        """Schedule `name`, or None."""
+        return self.store.get_schedule(name)
+
+    def unschedule(self, name: str) -> bool:
+        """Remove schedule `name` and cancel its pending occurrence (one running finishes);
+        False when there was none."""
+        key = self.store.remove_schedule(name, self._now_ms())
+        if key is None:
+            return False
+        with contextlib.suppress(redis.RedisError):
+            self.redis.delete(key)  # an event without a pending row claims nothing
+        return True
+
+    def pause_schedule(self, name: str) -> bool:
+        """Stop schedule `name` from running (its pending occurrence cancelled) until
+        `resume_schedule`; what it missed then follows its `catch_up`. False: no such one."""
+        found, _ = self.store.pause_schedule(name, True, self._now_ms())
+        return found
+
+    def resume_schedule(self, name: str) -> bool:
+        """Resume a paused schedule; False: no such one."""
+        found, arm = self.store.pause_schedule(name, False, self._now_ms())
+        if arm is not None:
+            self._arm([arm], self._now_ms())
+        return found
+
+    def run_schedule_now(self, name: str) -> bool:
+        """Run schedule `name`'s pending occurrence now, as an extra run (the regular one after
+        it still comes); False when it has none pending (running, paused, ended) or no such
+        schedule: `get_schedule` tells which."""
+        _, key = self.store.run_schedule_now(name, self._now_ms())
+        if key is None:
+            return False
+        self._arm([(key, self._now_ms())], self._now_ms())
+        return True
+
+    def _pause_target(self, target: PauseTarget) -> str:
+        """The name `target` gives a pause: checked text, or a registered class or method's."""
+        if isinstance(target, str):
+            return parse_target(target)
+        if isinstance(target, type):
+            for spec in self.registry.specs():
+                if spec.cls is target:
+                    return spec.class_name
+            raise UnknownTaskError(f"{target.__qualname__} is not a registered task class")
+        if callable(target):
+            spec = self.registry.spec_for(target)
+            return f"{spec.class_name}.{spec.method}"
+        raise ArgumentError(
+            f"a pause names 'Class' or 'Class.method', a task class or an exposed method, "
+            f"got {type(target).__name__}"
+        )
+
+    def _announce_pauses(self) -> None:
+        try:
+            announce(self.redis, self.settings.key_prefix)
+        except redis.RedisError as exc:
+            # The row is the truth: listeners read it at their next poll, within a second.
+            logger.debug("pause recorded, but the wake message was not sent: {}", exc)
+
     # --- internals ----------------------------------------------------------------------------
     def _join(self, tx: Tx) -> Connection:
         """The connection of the caller's transaction, checked to be on the ledger's database."""
@@ -530,6 +704,27 @@ def due_at_ms(
         return now_ms + int(ttl_ms)
     ttl = limits.number(ttl_s, "ttl_s", low=0, high=limits.MAX_HORIZON_S, error=ArgumentError)
     return now_ms + round(ttl * 1000)
+
+
+def _until_ms(until: dt.datetime, now_ms: int) -> int:
+    """When a pause given `until` ends, in epoch ms: a timezone-aware datetime after `now_ms`,
+    at most `limits.MAX_HORIZON_S` ahead (ArgumentError otherwise)."""
+    if not isinstance(until, dt.datetime):
+        raise ArgumentError(f"until must be a datetime, got {type(until).__name__}")
+    if until.tzinfo is None:
+        raise ArgumentError("until must be timezone-aware (e.g. datetime.now(timezone.utc))")
+    try:
+        ms = due_at_ms(now_ms, at=until)
+    except ArgumentError:  # out of range: beyond the horizon, or before 1970 (in the past)
+        if until > dt.datetime.fromtimestamp(now_ms / 1000, dt.UTC):
+            years = limits.MAX_HORIZON_S // (365 * limits.DAY_S)
+            raise ArgumentError(
+                f"until {until.isoformat()} is more than {years} years away"
+            ) from None
+        ms = limits.MIN_DUE_MS
+    if ms <= now_ms:
+        raise ArgumentError(f"until {until.isoformat()} is not in the future")
+    return ms
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,16 @@ class TaskContext:
     payload: Any = None
     """What travels with the task (`create(..., payload=)`), decoded from JSON: the same on
     every attempt; None when it has none."""
+    scheduled_for_ms: int | None = None
+    """For an occurrence of a recurring schedule: the occurrence it stands for (epoch ms)."""
+
+    @property
+    def scheduled_for(self) -> dt.datetime | None:
+        """Which occurrence of its schedule this run is (UTC), after any catch-up: the latest
+        missed one under `catch_up="latest"`; None for a task that is no occurrence."""
+        if self.scheduled_for_ms is None:
+            return None
+        return dt.datetime.fromtimestamp(self.scheduled_for_ms / 1000, dt.UTC)
 
     @property
     def tx(self) -> Connection:

@@ -20,8 +20,10 @@ from typing import Any, TypeVar, overload
 
 from keyexpiry import limits
 from keyexpiry.errors import ArgumentError, ConfigError, UnknownTaskError
+from keyexpiry.flow import Rate, parse_concurrency, parse_group, parse_rate
 from keyexpiry.keys import check_name, clip, shorten
 from keyexpiry.payloads import PAYLOAD_PARAMETER
+from keyexpiry.schedules import Cadence, cadence
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -39,6 +41,20 @@ class ExposeOptions:
     retry_schedule_s: tuple[float, ...] | None = None
     transactional: bool = False
     """Run in a ledger transaction that also records the run as done (`current().tx`)."""
+    concurrency: int | None = None
+    """At most this many runs at once over the whole fleet."""
+    rate: Rate | None = None
+    """At most this many starts per period over the whole fleet."""
+    one_at_a_time: tuple[str, ...] | None = None
+    """Argument names: runs with equal values of them never overlap, fleet-wide."""
+    schedule: Cadence | None = None
+    """Runs on this recurrence, declared by every listener that registers the class (schedule
+    name: `Class.method`)."""
+
+    @property
+    def shaped(self) -> bool:
+        """Whether any flow rule applies (then each start needs a permit from Redis)."""
+        return bool(self.concurrency or self.rate or self.one_at_a_time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +301,14 @@ def exposed(
     timeout_s: float | None = None,
     retry_schedule_s: Sequence[float] | None = None,
     transactional: bool = False,
+    concurrency: int | None = None,
+    rate: str | None = None,
+    one_at_a_time: str | Sequence[str] | None = None,
+    cron: str | None = None,
+    every_s: float | None = None,
+    tz: str = "UTC",
+    catch_up: str = "latest",
+    overlap: str = "skip",
 ) -> Callable[[F], F]: ...
 def exposed(
     func: F | None = None,
@@ -293,6 +317,14 @@ def exposed(
     timeout_s: float | None = None,
     retry_schedule_s: Sequence[float] | None = None,
     transactional: bool = False,
+    concurrency: int | None = None,
+    rate: str | None = None,
+    one_at_a_time: str | Sequence[str] | None = None,
+    cron: str | None = None,
+    every_s: float | None = None,
+    tz: str = "UTC",
+    catch_up: str = "latest",
+    overlap: str = "skip",
 ) -> Any:
     """Mark a method of a task class as runnable from a key; use bare or with options.
 
@@ -304,6 +336,19 @@ def exposed(
     `transactional`: the handler gets `current().tx`, a connection to the ledger's database in
     the transaction that records the run as done: its writes there commit with that record, or
     roll back with a failure (which retries per schedule), a timeout or a lost claim.
+
+    Flow rules, fleet-wide (every listener together), for shaping bursts (README "Shaping
+    bursts"); a task held back by one stays pending, is not an attempt, and starts when allowed:
+    `concurrency`: at most this many runs at once.
+    `rate`: at most this many starts per second, minute or hour (`"200/s"`, `"30/min"`).
+    `one_at_a_time`: an argument name (or a list of them): runs whose values of it are equal
+    never overlap (`one_at_a_time="order_id"`); runs of other values go on in parallel.
+
+    A recurring schedule, for a method without arguments (README "Recurring schedules"):
+    `cron` (5 fields, or `@daily`…) in time zone `tz` (IANA name, default UTC), or `every_s`
+    seconds; `catch_up` after downtime ("latest", "all", "none") and `overlap` for a run still
+    going when the next falls due ("skip", "wait"). Every listener that registers the class
+    declares it, named `Class.method`; each occurrence runs once per claim across the fleet.
     """
     if not isinstance(transactional, bool):
         raise ConfigError(f"@exposed transactional must be True or False, got {transactional!r}")
@@ -321,6 +366,16 @@ def exposed(
         ),
         retry_schedule_s=limits.delays(retry_schedule_s, "@exposed retry_schedule_s", ConfigError),
         transactional=transactional,
+        concurrency=None
+        if concurrency is None
+        else parse_concurrency(concurrency, "@exposed concurrency"),
+        rate=None if rate is None else parse_rate(rate, "@exposed rate"),
+        one_at_a_time=None
+        if one_at_a_time is None
+        else parse_group(one_at_a_time, "@exposed one_at_a_time"),
+        schedule=None
+        if cron is None and every_s is None
+        else _cadence("@exposed", cron, every_s, tz, catch_up, overlap),
     )
 
     def mark(f: F) -> F:
@@ -479,11 +534,14 @@ class Registry:
                     f"{name}.{attr}: @exposed(transactional=True) is for plain methods, "
                     "not `async def` ones"
                 )
+            params = _params(cls, member)
+            _check_group(f"{name}.{attr}", options, params)
+            _check_schedule(f"{name}.{attr}", options, params)
             self._specs[(name, attr)] = TaskSpec(
                 name,
                 attr,
                 cls,
-                _params(cls, member),
+                params,
                 options,
                 inspect.iscoroutinefunction(member),
                 PAYLOAD_PARAMETER in inspect.signature(member).parameters,
@@ -491,6 +549,44 @@ class Registry:
             found = True
         if not found:
             raise ConfigError(f"task class {name} has no method marked @exposed")
+
+
+def _cadence(
+    where: str, cron: str | None, every_s: float | None, tz: str, catch_up: str, overlap: str
+) -> Cadence:
+    try:
+        return cadence(cron=cron, every_s=every_s, tz=tz, catch_up=catch_up, overlap=overlap)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _check_schedule(label: str, options: ExposeOptions, params: tuple[Param, ...]) -> None:
+    if options.schedule is None:
+        return
+    if params:
+        raise ConfigError(
+            f"{label}: @exposed(cron=/every_s=) is for a method without arguments; schedule one "
+            "per argument set with Client.schedule(name, target, *args, cron=…)"
+        )
+    if options.transactional:
+        raise ConfigError(f"{label}: a scheduled method cannot be transactional=True (yet)")
+
+
+def _check_group(label: str, options: ExposeOptions, params: tuple[Param, ...]) -> None:
+    # Said when the class is registered (its module imported), not when a run starts.
+    names = [p.name for p in params]
+    for group in options.one_at_a_time or ():
+        if group not in names:
+            raise ConfigError(
+                f"{label}: one_at_a_time={group!r} names no argument of it "
+                f"(its arguments: {', '.join(names) or 'none'})"
+            )
+
+
+def group_positions(spec: TaskSpec) -> tuple[int, ...]:
+    """Where the arguments named by `one_at_a_time` stand among the key's arguments."""
+    names = [p.name for p in spec.params]
+    return tuple(names.index(n) for n in spec.options.one_at_a_time or ())
 
 
 def _params(cls: type, func: Callable[..., Any]) -> tuple[Param, ...]:

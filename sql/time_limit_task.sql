@@ -27,6 +27,11 @@
 --       ADD COLUMN tag VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
 --       ADD COLUMN result MEDIUMTEXT NULL,
 --       ADD INDEX ix_time_limit_task_tag (tag, due_at_ms);
+--
+-- Upgrading a table created before recurring schedules (keyexpiry init-db does this, and creates
+-- keyexpiry_schedule: sql/keyexpiry_schedule.sql):
+--   ALTER TABLE time_limit_task
+--       ADD COLUMN schedule_name VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL;
 CREATE TABLE IF NOT EXISTS time_limit_task (
     id               BIGINT       NOT NULL AUTO_INCREMENT,
     task_key         VARCHAR(512) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
@@ -48,6 +53,9 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     result           MEDIUMTEXT   NULL,                -- the handler's return value, JSON
     payload          MEDIUMTEXT   NULL,                -- what travels with the task, JSON
     traceparent      VARCHAR(55)  NULL,                -- W3C traceparent of the creating span
+    -- the schedule whose occurrence the row is (keyexpiry_schedule.name); NULL: a plain task,
+    -- what producers write (they leave the column out)
+    schedule_name    VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key),
     -- the listener claims by key; running rows by lease (and a dead listener's among them)

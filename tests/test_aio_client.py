@@ -4,6 +4,7 @@ without blocking the event loop."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -46,6 +47,32 @@ def test_create_get_list_and_cancel_through_the_async_client(settings: Settings)
             cancelled = await ke.get(record, "b")
             assert cancelled is not None and cancelled.status is TaskStatus.CANCELLED
             assert await ke.ttl_ms(record, "b") is None
+
+    run(scenario())
+
+
+def test_schedules_through_the_async_client(settings: Settings) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(settings) as ke:
+            sched = await ke.schedule("probe:yearly", record, "h", cron="@yearly", tz="UTC")
+            assert (sched.name, sched.task_key, sched.paused) == (
+                "probe:yearly", "Probe@record@h", False,
+            )  # fmt: skip
+            assert [s.name for s in await ke.schedules()] == ["probe:yearly"]
+            assert await ke.pause_schedule("probe:yearly") is True
+            paused = await ke.get_schedule("probe:yearly")
+            assert paused is not None and paused.paused
+            assert await ke.run_schedule_now("probe:yearly") is False  # paused: nothing to run
+            assert await ke.resume_schedule("probe:yearly") is True
+            assert await ke.run_schedule_now("probe:yearly") is True
+            row = await ke.get(record, "h")
+            assert row is not None and row.status is TaskStatus.PENDING
+            assert row.due_at_ms < (sched.occurrence_ms or 0)  # due now, not at new year
+            assert await ke.unschedule("probe:yearly") is True
+            assert await ke.get_schedule("probe:yearly") is None
+            assert await ke.pause_schedule("probe:yearly") is False
+            with pytest.raises(ConfigError, match="either cron= or every_s="):
+                await ke.schedule("bad", record, "x")
 
     run(scenario())
 
@@ -153,3 +180,15 @@ def test_creates_do_not_block_the_event_loop(settings: Settings) -> None:
         assert gap_s < took_s / 2, f"gap {gap_s * 1000:.0f} ms of {took_s * 1000:.0f} ms"
 
     run(scenario())
+
+
+def test_every_call_of_the_client_is_a_coroutine_here() -> None:
+    # `spec` and `key_for` do no I/O (plain methods); `close` is `aclose`; `retry_dead` reports
+    # progress through a callback, for the CLI's bar.
+    sync_only = {"close", "retry_dead", "spec", "key_for"}
+    calls = [n for n, v in vars(Client).items() if callable(v) and not n.startswith("_")]
+    missing = [n for n in calls if n not in sync_only and not hasattr(AsyncClient, n)]
+    assert missing == []
+    assert all(
+        inspect.iscoroutinefunction(getattr(AsyncClient, n)) for n in calls if n not in sync_only
+    )

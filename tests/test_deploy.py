@@ -27,7 +27,7 @@ HISTOGRAMS = frozenset(
 )
 # Every listener reports the same ledger numbers: a sum multiplies them by the listener count.
 SUMMED_LEDGER_GAUGE = re.compile(
-    r"\bsum\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*keyexpiry_(?:tasks|pending|overdue)\b"
+    r"\bsum\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*keyexpiry_(?:tasks|pending|overdue|schedule_\w+)\b"
 )
 
 ALERTS = (
@@ -40,6 +40,7 @@ ALERTS = (
     "KeyexpiryEventsNotArriving",
     "KeyexpiryThreadErrors",
     "KeyexpiryLedgerDown",
+    "KeyexpiryScheduleNotSucceeding",
 )
 
 
@@ -174,5 +175,63 @@ def test_systemd_units_serve_http() -> None:
 def test_promtool_accepts(args: tuple[str, ...]) -> None:
     done = subprocess.run(
         ["promtool", *args], cwd=DEPLOY, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_a_daily_schedule_alerts_26_hours_after_its_last_success(tmp_path: Path) -> None:
+    """Two listeners report the same schedule (one alert, not two); a daily one fires after its
+    interval plus 2 h; a paused one (no interval series) never does."""
+    (rule,) = [r for r in alert_rules() if r["alert"] == "KeyexpiryScheduleNotSucceeding"]
+    name = "reports:daily"
+
+    def series(metric: str, instance: str, schedule: str, values: str) -> dict[str, str]:
+        labels = f'job="keyexpiry",instance="{instance}",schedule="{schedule}"'
+        return {"series": f"keyexpiry_schedule_{metric}{{{labels}}}", "values": values}
+
+    case = {
+        "rule_files": [str(DEPLOY / "alerts.yml")],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1h",
+                "input_series": [
+                    # Succeeded at Unix time 0, where promtool's clock starts.
+                    series("last_success_timestamp_seconds", "a", name, "0x30"),
+                    series("last_success_timestamp_seconds", "b", name, "0x30"),
+                    series("interval_seconds", "a", name, "86400x30"),
+                    series("interval_seconds", "b", name, "86400x30"),
+                    series("last_success_timestamp_seconds", "a", "paused", "0x30"),
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "25h", "alertname": rule["alert"], "exp_alerts": []},
+                    {
+                        "eval_time": "27h",
+                        "alertname": rule["alert"],
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "warning", "schedule": name},
+                                "exp_annotations": {
+                                    "summary": f"keyexpiry schedule {name} has not succeeded "
+                                    "for 1d 3h 0m 0s",
+                                    "description": rule["annotations"]["description"].replace(
+                                        "{{ $labels.schedule }}", name
+                                    ),
+                                },
+                            }
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    (tmp_path / "schedule_test.yml").write_text(yaml.safe_dump(case))
+    done = subprocess.run(
+        ["promtool", "test", "rules", "schedule_test.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -22,10 +22,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "masking",
     ),
     ("redis",),  # 1: Redis servers and clients, arming keys (each kind parses its own URL)
-    ("settings", "registry", "retries", "results", "payloads", "run_metrics"),  # 2: settings, runs
+    # 2: settings, what may run, what a run observes (flow control, pauses)
+    (
+        "settings", "registry", "retries", "results", "payloads", "run_metrics", "flow",
+        "pausing", "schedules",
+    ),
     ("ledger",),  # 3: the SQL ledger
     ("runtime",),  # 4: settings -> connections, once
-    ("client", "aio", "scheduler"),  # 5: business code's side
+    ("client", "aio", "scheduler", "recurring"),  # 5: business code's side
     ("runner",),  # 6: claim, run, record
     ("ops", "web"),  # 7: what operators watch (a listener only through ops.observed)
     ("listener",),  # 8: hear, route, repair

@@ -12,7 +12,11 @@ from keyexpiry.ledger.migrations import (
     add_missing_indexes,
     drop_retired_indexes,
 )
+from keyexpiry.ledger.recurring import ScheduleRow
 from keyexpiry.ledger.store import NewTask, Store, make_engine
+from keyexpiry.ledger.table import keyexpiry_listener, keyexpiry_pause, metadata, time_limit_task
+from keyexpiry.pausing import Pause
+from keyexpiry.schedules import Recurrence
 
 # keyexpiry_listener as the first release with heartbeats created it (before partitioning).
 OLD_LISTENER_DDL = """
@@ -217,5 +221,68 @@ def test_old_task_table_gains_tag_and_result_and_the_tag_index_and_keeps_its_row
         store.upsert_pending([NewTask("A@m@1", "A", "m", ("1",), 9_000, tag="t:1")], now_ms=8_000)
         (tagged,) = store.list_tasks(tag="t:1")
         assert (tagged.id, tagged.status, tagged.tag) == (7, "pending", "t:1")
+    finally:
+        engine.dispose()
+
+
+def test_a_ledger_from_before_pauses_gains_their_table_and_keeps_its_rows(db_url: str) -> None:
+    engine = make_engine(db_url)
+    try:
+        # The ledger as the release before pauses made it: the tasks' and listeners' tables.
+        metadata.create_all(engine, tables=[time_limit_task, keyexpiry_listener])
+        store = Store(engine)
+        store.upsert_pending([NewTask("A@m@1", "A", "m", ("1",), 5_000)], now_ms=1_000)
+        assert not inspect(engine).has_table("keyexpiry_pause")
+        assert store.create_schema() == []  # a client or listener start
+        assert inspect(engine).has_table("keyexpiry_pause")
+        store.pause("A.m", until_ms=None, now_ms=2_000, reason="kept")
+        store.create_schema(all_indexes=True)  # init-db later: idempotent, the pause stays
+        assert store.pauses(3_000) == [Pause("A.m", None, 2_000, "kept")]
+        row = store.get("A@m@1")
+        assert row is not None and (row.status, row.due_at_ms) == ("pending", 5_000)
+        with engine.begin() as conn:
+            assert add_missing_columns(conn) == []
+            assert add_missing_indexes(conn) == ([], [])
+    finally:
+        engine.dispose()
+
+
+def test_a_ledger_from_before_schedules_gains_their_column_and_table_and_keeps_its_rows(
+    db_url: str,
+) -> None:
+    engine = make_engine(db_url)
+    try:
+        # The ledger as the release before schedules made it: no schedule table, and no
+        # schedule_name in the tasks' table.
+        metadata.create_all(engine, tables=[time_limit_task, keyexpiry_listener, keyexpiry_pause])
+        with engine.begin() as conn:
+            conn.execute(text("ALTER TABLE time_limit_task DROP COLUMN schedule_name"))
+        store = Store(engine)
+        store.upsert_pending([NewTask("A@m@1", "A", "m", ("1",), 5_000)], now_ms=1_000)
+        assert not inspect(engine).has_table("keyexpiry_schedule")
+        assert store.create_schema() == []  # a client or listener start
+        assert inspect(engine).has_table("keyexpiry_schedule")
+        columns = {c["name"] for c in inspect(engine).get_columns("time_limit_task")}
+        assert "schedule_name" in columns
+        row = store.get("A@m@1")
+        assert row is not None and (row.status, row.due_at_ms, row.schedule_name) == (
+            "pending", 5_000, None,
+        )  # fmt: skip
+        # The upgraded ledger takes a schedule: its row, and its occurrence's marked with it.
+        wanted = ScheduleRow(
+            name="daily", task_key="A@m@2", class_name="A", method="m", args=("2",),
+            recurrence=Recurrence(cron="0 9 * * *", tz="Europe/Berlin"), anchor_ms=1_000,
+            catch_up="latest", catch_up_max=100, overlap="skip", retry_schedule_s=None,
+            source="api",
+        )  # fmt: skip
+        declared = store.declare_schedule(wanted, now_ms=1_000)
+        assert declared.did == "created" and declared.arm is not None
+        occurrence = store.get("A@m@2")
+        assert occurrence is not None and occurrence.schedule_name == "daily"
+        store.create_schema(all_indexes=True)  # init-db later: idempotent, the schedule stays
+        assert [s.name for s in store.list_schedules()] == ["daily"]
+        with engine.begin() as conn:
+            assert add_missing_columns(conn) == []
+            assert add_missing_indexes(conn) == ([], [])
     finally:
         engine.dispose()

@@ -110,3 +110,73 @@ def test_an_operator_retries_a_dead_task_in_the_browser(
             expect(page.locator("td.key")).to_have_count(40)
         finally:
             browser.close()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_an_operator_pauses_and_resumes_a_method_in_the_browser(
+    client: Client, dashboard: str
+) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(http_credentials={"username": "ops", "password": TOKEN})
+            page = context.new_page()
+            page.goto(dashboard)
+            expect(page.locator("#paused")).to_contain_text("Nothing is paused.")
+            expect(page.locator("#held")).to_contain_text("Nothing held back.")
+
+            page.fill("#pause-target", "Probe.record")
+            page.fill("#pause-for", "2h")
+            page.fill("#pause-reason", "PSP <down>")
+            page.locator("#pause-submit").click()
+            expect(page.get_by_role("status")).to_contain_text("paused")
+            row = page.locator("#paused tbody tr")
+            expect(row).to_have_count(1)
+            expect(row).to_contain_text("Probe.record")
+            expect(row).to_contain_text("PSP <down>")  # shown as typed, never as markup
+            (pause,) = client.paused()
+            assert pause.target == "Probe.record" and pause.reason == "PSP <down>"
+            assert pause.until_ms is not None and pause.until_ms - pause.paused_at_ms == 7_200_000
+
+            page.locator("#resume-Probe\\.record").click()
+            expect(page.get_by_role("status")).to_contain_text("resumed")
+            expect(page.locator("#paused")).to_contain_text("Nothing is paused.")
+            assert client.paused() == []
+        finally:
+            browser.close()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_an_operator_pauses_resumes_and_runs_a_schedule_in_the_browser(
+    client: Client, dashboard: str
+) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    sched = client.schedule("reports:eu", sample_tasks.Probe.record, "eu", cron="@yearly")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(http_credentials={"username": "ops", "password": TOKEN})
+            page = context.new_page()
+            page.goto(dashboard)
+            row = page.locator("#schedules tbody tr")
+            expect(row).to_have_count(1)
+            expect(row).to_contain_text("Probe.record(eu)")
+            expect(row).to_contain_text("active")
+
+            page.get_by_role("button", name="Pause schedule reports:eu").click()
+            expect(page.get_by_role("status")).to_contain_text("schedule paused")
+            expect(row).to_contain_text("paused")
+            assert client.get_schedule("reports:eu").paused  # type: ignore[union-attr]
+
+            page.get_by_role("button", name="Resume schedule reports:eu").click()
+            expect(page.get_by_role("status")).to_contain_text("schedule resumed")
+            page.get_by_role("button", name="Run schedule reports:eu now").click()
+            expect(page.get_by_role("status")).to_contain_text("extra run due now")
+            occurrence = client.store.get(sched.task_key)
+            assert occurrence is not None and occurrence.status is TaskStatus.PENDING
+            assert occurrence.due_at_ms <= client.clock.now_ms() < (sched.occurrence_ms or 0)
+        finally:
+            browser.close()

@@ -255,6 +255,8 @@ class ListenerProcess(MeasuredProcess):
     """Serve /metrics here (`--http`) when set."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment for this listener (settings, the memory scenario's checkpoints)."""
+    tasks: str = "keyexpiry.bench.tasks"
+    """The task modules it loads (`--tasks`, comma-separated)."""
     starts_path: Path = field(
         default_factory=lambda: Path(tempfile.mkstemp(prefix="ke-starts-", suffix=".txt")[1])
     )
@@ -283,13 +285,13 @@ class ListenerProcess(MeasuredProcess):
         self.starts_path.unlink(missing_ok=True)
 
     def argv(self) -> list[str]:
-        """`python -m keyexpiry listen --tasks keyexpiry.bench.tasks`."""
+        """`python -m keyexpiry listen --tasks keyexpiry.bench.tasks` (or `tasks`)."""
         return [
             "-m",
             "keyexpiry",
             "listen",
             "--tasks",
-            "keyexpiry.bench.tasks",
+            self.tasks,
             "--concurrency",
             str(self.concurrency),
         ]

@@ -11,6 +11,7 @@ from typing import Any
 
 from keyexpiry.bench import aio as aio_bench
 from keyexpiry.bench import cluster as cluster_bench
+from keyexpiry.bench import flow as flow_bench
 from keyexpiry.bench import ledger as ledger_bench
 from keyexpiry.bench import listeners as listeners_bench
 from keyexpiry.bench import memory as memory_bench
@@ -20,7 +21,7 @@ from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
 SCENARIOS = (
     "steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio", "cluster",
-    "memory",
+    "memory", "flow",
 )  # fmt: skip
 DEFAULT_SCENARIOS = SCENARIOS[:6]
 """What `keyexpiry bench` runs unnamed: the others start servers of their own (a cluster) or fill
@@ -122,6 +123,10 @@ def _scenario(
     elif name == "memory":
         res = memory_bench.run(
             srv, backend, runs=runs, size=size, say=lambda m: print(m, flush=True)
+        )
+    elif name == "flow":
+        res = flow_bench.run(
+            srv, backend, runs=runs, quick=quick, say=lambda m: print(m, flush=True)
         )
     elif name == "listeners":
         res = listeners_bench.run(
@@ -238,6 +243,13 @@ COLUMNS = (
     "rss_end_mb",
     "rss_mb_per_100k",
     "rss_mb_per_100k_late",
+    "due_to_last_start_s",
+    "due_to_last_end_s",
+    "max_starts_1s",
+    "max_claims_1s",
+    "max_at_once",
+    "time_vs_unlimited",
+    "cpu_vs_unlimited",
 )
 """The figures in the table, in order; a column no row has a value for is left out."""
 

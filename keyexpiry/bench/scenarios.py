@@ -32,18 +32,21 @@ BLOCK = 500
 
 
 def _create_wave(
-    client: Client, n: int, first_due_ms: int, span_ms: int, payload: Any = None
+    client: Client,
+    n: int,
+    first_due_ms: int,
+    span_ms: int,
+    payload: Any = None,
+    task: str = "Bench.noop",
 ) -> float:
-    """Create `n` noop tasks due evenly over [first_due, first_due + span], each carrying
-    `payload`; return seconds taken."""
+    """Create `n` `task` tasks (noop by default; argument: their index) due evenly over
+    [first_due, first_due + span], each carrying `payload`; return seconds taken."""
     start = time.perf_counter()
     step = span_ms / max(n - 1, 1)
     now = client.clock.now_ms()
     for base in range(0, n, CHUNK):
         client.create_many(
-            TaskRequest(
-                "Bench.noop", (i,), ttl_ms=int(first_due_ms + i * step) - now, payload=payload
-            )
+            TaskRequest(task, (i,), ttl_ms=int(first_due_ms + i * step) - now, payload=payload)
             for i in range(base, min(n, base + CHUNK))
         )
     return time.perf_counter() - start

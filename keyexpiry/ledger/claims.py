@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.ledger.base import Ledger, retried_once
+from keyexpiry.ledger.recurring import readable_schedule
 from keyexpiry.ledger.rows import (
     CLAIM_SETS,
     CLAIM_SKIPS,
@@ -33,7 +34,8 @@ from keyexpiry.ledger.rows import (
     TaskStatus,
     claimed_row_from_db,
 )
-from keyexpiry.ledger.table import T, storable_text, with_earlier_errors
+from keyexpiry.ledger.table import S, T, storable_text, with_earlier_errors
+from keyexpiry.schedules import next_after_run
 
 _X = TypeVar("_X")
 
@@ -291,22 +293,32 @@ class ClaimQueries(Ledger):
         ]
 
     @retried_once
-    def record(self, outcomes: Sequence[Outcome], now_ms: int) -> int:
+    def record(
+        self,
+        outcomes: Sequence[Outcome],
+        now_ms: int,
+        rearm: list[tuple[str, int]] | None = None,
+    ) -> int:
         """Record finished runs in one transaction; a run whose claim was lost is skipped, and
-        so is one its handler's transaction recorded already (`Outcome.recorded`).
+        so is one its handler's transaction recorded already (`Outcome.recorded`). An ended
+        occurrence of a schedule becomes its next occurrence: its (key, due) is added to
+        `rearm`, for the caller to arm once this has committed.
 
         Returns how many rows were updated.
         """
         done: list[Outcome] = []
         others: list[Outcome] = []
+        advancing: list[Outcome] = []
         for o in outcomes:
             if o.recorded:
                 continue
-            if o.status is TaskStatus.DONE and o.last_error is None:
+            if o.occurrence is not None:
+                advancing.append(o)
+            elif o.status is TaskStatus.DONE and o.last_error is None:
                 done.append(o)
             else:
                 others.append(o)
-        if not done and not others:
+        if not done and not others and not advancing:
             return 0
         count = 0
         with self._tx() as conn:
@@ -326,7 +338,81 @@ class ClaimQueries(Ledger):
                 count += conn.execute(
                     self._record_one, self._record_params(others, now_ms)
                 ).rowcount
+            for o in advancing:
+                count += self._record_occurrence(conn, o, now_ms, rearm)
         return count
+
+    def _record_occurrence(
+        self, conn: Connection, o: Outcome, now_ms: int, rearm: list[tuple[str, int]] | None
+    ) -> int:
+        """An occurrence of a schedule ended: under the schedule's lock, its row becomes the next
+        occurrence (`keyexpiry.schedules.next_after_run`), or ends when the schedule has ended
+        or is paused, and the schedule notes the run: all in the caller's transaction, and only
+        while the run's claim still holds. A retry, or a schedule removed meanwhile: a plain
+        outcome."""
+        occ = o.occurrence
+        assert occ is not None
+        found = conn.execute(select(S).where(S.c.name == occ.schedule).with_for_update()).first()
+        sched = None if found is None else readable_schedule(found)
+        if sched is None or sched.task_key != o.key or o.status is TaskStatus.PENDING:
+            return int(conn.execute(self._record_one, self._record_params([o], now_ms)).rowcount)
+        nxt = (
+            sched.occurrence_ms
+            if occ.extra
+            else next_after_run(
+                sched.recurrence,
+                occ.scheduled_for_ms,
+                # When the handler ended, not when its outcome is written (batched, or held by
+                # an outage): an occurrence due in between did not overlap the run.
+                o.finished_at_ms if o.finished_at_ms is not None else now_ms,
+                sched.anchor_ms,
+                sched.overlap,
+                occ.started_ms,
+            )
+        )
+        if nxt is None or sched.paused:
+            matched = conn.execute(self._record_one, self._record_params([o], now_ms)).rowcount
+        else:
+            matched = conn.execute(
+                update(T)
+                .where(
+                    T.c.id == o.task_id,
+                    T.c.claimed_by == o.token,
+                    T.c.status == TaskStatus.RUNNING.value,
+                )
+                .values(
+                    status=TaskStatus.PENDING.value,
+                    due_at_ms=nxt,
+                    attempts=0,
+                    finished_at_ms=o.finished_at_ms,
+                    last_error=None,
+                    result=o.result,
+                    lease_until_ms=None,
+                    claimed_by=None,
+                    updated_at_ms=now_ms,
+                )
+            ).rowcount
+            if matched and rearm is not None:
+                rearm.append((o.key, nxt))
+        if matched:
+            status = "skipped" if occ.skipped else o.status.value
+            finished_ms = o.finished_at_ms or now_ms
+            conn.execute(
+                update(S)
+                .where(S.c.name == occ.schedule)
+                .values(
+                    occurrence_ms=nxt,
+                    last_scheduled_for_ms=occ.scheduled_for_ms,
+                    last_status=status,
+                    last_finished_ms=finished_ms,
+                    last_success_ms=finished_ms
+                    if status == TaskStatus.DONE.value
+                    else S.c.last_success_ms,
+                    last_error=storable_text(o.last_error),
+                    updated_at_ms=now_ms,
+                )
+            )
+        return int(matched)
 
     def _record_done_part(
         self, conn: Connection, part: list[Outcome], now_ms: int, with_results: bool

@@ -67,6 +67,8 @@ class TaskRow:
     """What travels with the task as stored: JSON text, or None (see `payload`)."""
     traceparent: str | None = None
     """The W3C traceparent of the span that created the task (`keyexpiry.tracing`), or None."""
+    schedule_name: str | None = None
+    """The schedule whose occurrence this row is (`keyexpiry.schedules`), or None."""
     unreadable: frozenset[str] = frozenset()
     """Columns whose stored value could not be read as what they hold (text in a time): the
     field holds a stand-in (`UNREADABLE_MS` for a time, 0 for attempts), `to_json` gives None,
@@ -119,6 +121,7 @@ class TaskRow:
             "tag": self.tag,
             "result": self.result,
             "payload": self.payload,
+            "schedule": self.schedule_name,
             "problem": self.problem,
         }
 
@@ -180,6 +183,24 @@ class Outcome:
     recorded: bool = False
     """Already written by the run itself (a transactional handler's own transaction): the
     recorder only counts it."""
+    occurrence: Occurrence | None = None
+    """The run was an occurrence of a schedule: when it ended for good (done, dead, skipped),
+    its row becomes the schedule's next occurrence in the same transaction."""
+
+
+@dataclass(frozen=True, slots=True)
+class Occurrence:
+    """Which occurrence of which schedule a run stood for."""
+
+    schedule: str
+    scheduled_for_ms: int
+    skipped: bool = False
+    """Not run: missed during downtime under `catch_up="none"`."""
+    started_ms: int | None = None
+    """When the run started: an occurrence due before it was a backlog, not an overlap."""
+    extra: bool = False
+    """A run ahead of the occurrence (`run_schedule_now`, or the task created earlier by
+    hand): the occurrence it moved stays the next one."""
 
 
 BIGINT_MAX = 2**63 - 1
@@ -463,6 +484,9 @@ def _task_row(
     traceparent = getattr(r, "traceparent", None)
     if traceparent is not None and type(traceparent) is not str:
         traceparent = None  # only a hint: a value that is no text is no trace to continue
+    schedule_name = getattr(r, "schedule_name", None)
+    if schedule_name is not None and type(schedule_name) is not str:
+        schedule_name = None  # a schedule is found by its name: no text, no schedule
     if last_error is not None and type(last_error) is not str:
         reading = reading or _Reading()
         last_error = reading.maybe_text(last_error, "last_error")
@@ -504,6 +528,7 @@ def _task_row(
         result_json=result_json,
         payload_json=payload,
         traceparent=traceparent,
+        schedule_name=schedule_name,
         unreadable=unreadable,
     )
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, Text, and_, func, literal, or_, select, update
+from sqlalchemy import ColumnElement, Connection, Text, and_, func, literal, or_, select, update
 
 from keyexpiry.ledger.base import Ledger, retried_once
+from keyexpiry.ledger.recurring import ScheduleRow, readable_schedule
 from keyexpiry.ledger.rows import BIGINT_MAX, UNREADABLE_MS, TaskRow, TaskStatus, stored_ms
 from keyexpiry.ledger.rows import row_from_db as _row
-from keyexpiry.ledger.table import T, with_earlier_errors
+from keyexpiry.ledger.table import S, T, with_earlier_errors
+from keyexpiry.schedules import next_after_run
 
 
 class PendingKey(NamedTuple):
@@ -190,9 +192,12 @@ class ScanQueries(Ledger):
         error: str,
         now_ms: int,
         lease_expired: bool = True,
+        rearm: list[tuple[str, int]] | None = None,
     ) -> bool:
         """Move a lost run (its lease expired, or `lease_expired=False`: its listener stopped
-        beating) to pending (due now) or dead; False if someone else did."""
+        beating) to pending (due now) or dead; False if someone else did. A dead occurrence of
+        a schedule moves the schedule on in the same transaction, as a dead outcome does: its
+        row becomes the next occurrence, whose (key, due) is added to `rearm`."""
         conditions = [
             T.c.id == row.id,
             T.c.status == TaskStatus.RUNNING.value,
@@ -206,7 +211,15 @@ class ScanQueries(Ledger):
                     _no_number(T.c.lease_until_ms),
                 )
             )
+        advancing = status is TaskStatus.DEAD and row.schedule_name is not None
         with self._tx() as conn:
+            sched = None
+            if advancing:
+                # The schedule's row first, as the recorder locks them: no deadlock between us.
+                found = conn.execute(
+                    select(S).where(S.c.name == row.schedule_name).with_for_update()
+                ).first()
+                sched = None if found is None else readable_schedule(found)
             result = conn.execute(
                 update(T)
                 .where(*conditions)
@@ -219,7 +232,51 @@ class ScanQueries(Ledger):
                     updated_at_ms=now_ms,
                 )
             )
-        return bool(result.rowcount)
+            moved = bool(result.rowcount)
+            if moved and sched is not None and sched.task_key == row.key:
+                nxt = self._advance_dead(conn, row, sched, error, now_ms)
+                if nxt is not None and rearm is not None:
+                    rearm.append((row.key, nxt))
+        return moved
+
+    def _advance_dead(
+        self, conn: Connection, row: TaskRow, sched: ScheduleRow, error: str, now_ms: int
+    ) -> int | None:
+        """The schedule of `row`, an occurrence just marked dead, moves on: the next
+        occurrence (None: ended or paused, the row stays dead)."""
+        occurrence = sched.occurrence_ms
+        if occurrence is None:
+            return None
+        nxt = next_after_run(
+            sched.recurrence, occurrence, now_ms, sched.anchor_ms, sched.overlap,
+            row.started_at_ms,
+        )  # fmt: skip
+        if nxt is not None and not sched.paused:  # paused: a resume creates it
+            conn.execute(
+                update(T)
+                .where(T.c.id == row.id, T.c.status == TaskStatus.DEAD.value)
+                .values(
+                    status=TaskStatus.PENDING.value,
+                    due_at_ms=nxt,
+                    attempts=0,
+                    claimed_by=None,
+                    last_error=None,
+                    updated_at_ms=now_ms,
+                )
+            )
+        conn.execute(
+            update(S)
+            .where(S.c.name == sched.name)
+            .values(
+                occurrence_ms=nxt,
+                last_scheduled_for_ms=occurrence,
+                last_status=TaskStatus.DEAD.value,
+                last_finished_ms=now_ms,
+                last_error=error,
+                updated_at_ms=now_ms,
+            )
+        )
+        return None if sched.paused else nxt
 
 
 def unknown_status() -> ColumnElement[bool]:

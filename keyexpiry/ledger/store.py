@@ -37,6 +37,8 @@ from keyexpiry.ledger.migrations import (
     add_missing_indexes,
     drop_retired_indexes,
 )
+from keyexpiry.ledger.pauses import PauseQueries
+from keyexpiry.ledger.recurring import RecurringQueries
 from keyexpiry.ledger.retention import RetentionQueries
 from keyexpiry.ledger.rows import NewTask, Outcome, TaskRow, TaskStatus
 from keyexpiry.ledger.rows import row_from_db as _row
@@ -87,12 +89,19 @@ class _Mixed(Exception):
 
 
 class Store(
-    ScheduleQueries, ClaimQueries, ScanQueries, LookupQueries, HeartbeatQueries, RetentionQueries
+    ScheduleQueries,
+    ClaimQueries,
+    ScanQueries,
+    LookupQueries,
+    HeartbeatQueries,
+    PauseQueries,
+    RecurringQueries,
+    RetentionQueries,
 ):
     """Queries on `time_limit_task`; every method raises StoreError, never a driver exception.
 
     Business code's queries (create, cancel, read) and the schema are here; the listener's are in
-    `ClaimQueries`, reconciliation's in `ScanQueries`.
+    `ClaimQueries`, reconciliation's in `ScanQueries`, the pauses' in `PauseQueries`.
     """
 
     # --- schema -------------------------------------------------------------------------------

@@ -74,6 +74,18 @@ _TAG_TYPE = (
     .with_variant(postgresql.VARCHAR(TAG_MAX_CHARS, collation="C"), "postgresql")
 )
 
+SCHEDULE_NAME_MAX_CHARS = 200
+# Schedule names compare byte for byte on every backend, like tags.
+_SCHEDULE_NAME_TYPE = (
+    String(SCHEDULE_NAME_MAX_CHARS)
+    .with_variant(
+        mysql.VARCHAR(SCHEDULE_NAME_MAX_CHARS, charset="utf8mb4", collation="utf8mb4_bin"),
+        "mysql",
+        "mariadb",
+    )
+    .with_variant(postgresql.VARCHAR(SCHEDULE_NAME_MAX_CHARS, collation="C"), "postgresql")
+)
+
 time_limit_task = Table(
     TABLE_NAME,
     metadata,
@@ -102,6 +114,9 @@ time_limit_task = Table(
     Column("payload", _TEXT_TYPE, nullable=True),
     # The W3C traceparent of the span that created the task (`keyexpiry.tracing`; NULL: none).
     Column("traceparent", String(55), nullable=True),
+    # The schedule whose occurrence this row is (`keyexpiry_schedule.name`; NULL: a plain task):
+    # its outcome creates the next occurrence in the same transaction.
+    Column("schedule_name", _SCHEDULE_NAME_TYPE, nullable=True),
     # Running rows by lease (expired leases); a dead listener's runs are a filter on this range,
     # which holds only the fleet's runs in flight.
     Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
@@ -172,6 +187,31 @@ keyexpiry_listener = Table(
 )
 """Live listeners and their last heartbeat: a silent one's runs are taken over."""
 L = keyexpiry_listener
+
+PAUSE_TABLE = "keyexpiry_pause"
+# Class and method names are ASCII identifiers (`keys.check_name`) and case-sensitive, as in
+# Python: compared byte for byte, so pausing `orders` never replaces the pause of `Orders`.
+_TARGET_TYPE = (
+    String(257)
+    .with_variant(mysql.VARCHAR(257, charset="ascii", collation="ascii_bin"), "mysql", "mariadb")
+    .with_variant(postgresql.VARCHAR(257, collation="C"), "postgresql")
+)
+keyexpiry_pause = Table(
+    PAUSE_TABLE,
+    metadata,
+    # "Class" (every method of it) or "Class.method": 128 + 1 + 128 characters at most.
+    Column("target", _TARGET_TYPE, primary_key=True),
+    # When the pause ends by itself (epoch ms, Redis's clock); NULL: until resumed.
+    Column("until_ms", BigInteger, nullable=True),
+    Column("paused_at_ms", BigInteger, nullable=False),
+    Column("reason", String(255), nullable=True),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+    # sql/keyexpiry_pause.sql must say the same; tests/test_ddl.py checks that it does.
+)
+"""Task classes and methods paused fleet-wide (`keyexpiry.pausing`): in the ledger, so a pause
+outlives every listener's restart."""
+P = keyexpiry_pause
 
 
 _LOCK_WAIT_MAX_S = 5
@@ -624,3 +664,46 @@ def array_upsert_params(tasks: Iterable[NewTask], now_ms: int) -> dict[str, Any]
         "k": k, "c": c, "m": m, "a": a, "r": r, "d": d, "t": t, "p": p, "tp": tp,
         "now": int(now_ms),
     }  # fmt: skip
+
+
+SCHEDULE_TABLE = "keyexpiry_schedule"
+keyexpiry_schedule = Table(
+    SCHEDULE_TABLE,
+    metadata,
+    Column("name", _SCHEDULE_NAME_TYPE, primary_key=True),
+    # The task each occurrence runs: its row in time_limit_task has this key (one per schedule).
+    Column("task_key", _KEY_TYPE, nullable=False),
+    Column("class_name", String(128), nullable=False),
+    Column("method", String(128), nullable=False),
+    Column("args", _TEXT_TYPE, nullable=False),
+    # When: a cron expression in `tz`, or every `every_ms` from `start_ms` (else `anchor_ms`).
+    Column("cron", String(200), nullable=True),
+    Column("every_ms", BigInteger, nullable=True),
+    Column("tz", String(64), nullable=False),
+    Column("start_ms", BigInteger, nullable=True),
+    Column("end_ms", BigInteger, nullable=True),
+    Column("anchor_ms", BigInteger, nullable=False),
+    Column("catch_up", String(8), nullable=False),
+    Column("catch_up_max", Integer, nullable=False),
+    Column("overlap", String(8), nullable=False),
+    Column("retry_schedule_s", Text, nullable=True),
+    Column("paused", Integer, nullable=False),
+    # The occurrence the task row stands for (NULL: the schedule has ended).
+    Column("occurrence_ms", BigInteger, nullable=True),
+    Column("last_scheduled_for_ms", BigInteger, nullable=True),
+    Column("last_status", String(16), nullable=True),
+    Column("last_finished_ms", BigInteger, nullable=True),
+    Column("last_success_ms", BigInteger, nullable=True),
+    Column("last_error", _TEXT_TYPE, nullable=True),
+    # "code" (an @exposed(cron=…) method) or "api" (`Client.schedule`).
+    Column("source", String(8), nullable=False),
+    Column("created_at_ms", BigInteger, nullable=False),
+    Column("updated_at_ms", BigInteger, nullable=False),
+    UniqueConstraint("task_key", name="uq_keyexpiry_schedule_task_key"),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+    # sql/keyexpiry_schedule.sql must say the same; tests/test_ddl.py checks that it does.
+)
+"""Recurring schedules (`keyexpiry.schedules`): what runs when, and how the last run went. Each
+has one row in time_limit_task at a time, its next occurrence."""
+S = keyexpiry_schedule

@@ -13,10 +13,11 @@ import threading
 from types import FrameType
 from typing import Any
 
+import redis
 from loguru import logger
 
 from keyexpiry.clock import monotonic_s
-from keyexpiry.errors import StoreError
+from keyexpiry.errors import KeyExpiryError, StoreError
 from keyexpiry.ledger.store import Store
 from keyexpiry.listener.cluster_subscription import ClusterSubscription
 from keyexpiry.listener.driver import ExpiryDriver
@@ -28,6 +29,7 @@ from keyexpiry.listener.routing import Router
 from keyexpiry.listener.subscription import Handlers, Subscription
 from keyexpiry.masking import mask_url
 from keyexpiry.ops.endpoints import Endpoints
+from keyexpiry.pausing import PAUSE_WAKE
 from keyexpiry.redis.sentinel import MasterWatch, follows_sentinel
 from keyexpiry.registry import Registry
 from keyexpiry.runner.dispatch import Dispatcher
@@ -36,6 +38,7 @@ from keyexpiry.settings import Settings
 from keyexpiry.threads import ThreadErrors, spawn
 
 _LEDGER_THREADS = 8
+_PAUSE_WAKE = PAUSE_WAKE.encode()
 """Threads of a listener that may each hold a ledger connection at the same moment: claimer,
 recorder, heartbeat, reconciliation, driver, lease extension, the unknown-key lookup and the
 metrics scrape."""
@@ -81,7 +84,11 @@ class Listener:
             events=lambda: self.router.events,
             backlog=self.dispatcher.backlog,
             request_reconcile=lambda reason: self.request_reconcile(reason),
-            mine=lambda key: self.fleet.partition.owns_key(key, rt.settings.key_prefix),
+            # A task held back by flow control (or paused) is not stuck: left alone.
+            mine=lambda key: (
+                self.fleet.partition.owns_key(key, rt.settings.key_prefix)
+                and not self.dispatcher.gate.holds(key)
+            ),
         )
         self.router = Router(
             rt,
@@ -141,6 +148,9 @@ class Listener:
         )
         self.maintenance.ensure_schema()
         self._warm_up()
+        # Before the first claim: a paused method must stay paused across a restart.
+        self.dispatcher.gate.read_pauses()
+        self._declare_schedules()
         endpoints = self.serve_http() if self.settings.http else None
         self.dispatcher.start()
         if self.settings.driver:
@@ -152,6 +162,12 @@ class Listener:
         fleet = spawn(
             "heartbeat",
             lambda: self.fleet.loop(self._fleet_stop),
+            stopped=self._fleet_stop,
+            errors=self.thread_errors,
+        )
+        flow = spawn(
+            "flow",
+            lambda: self.dispatcher.gate.loop(self._fleet_stop),
             stopped=self._fleet_stop,
             errors=self.thread_errors,
         )
@@ -174,7 +190,9 @@ class Listener:
             self.driver.stop()
             self.dispatcher.stop(self.settings.shutdown_timeout_s)
             self._fleet_stop.set()
+            self.dispatcher.gate.interrupt()
             fleet.join(timeout=5)
+            flow.join(timeout=5)
             self.subscription.close()
             self.maintenance.wake()
             maintenance.join(timeout=5)
@@ -194,6 +212,13 @@ class Listener:
             self.store.prepare_claims(self.settings.claim_batch)
         except StoreError as exc:
             logger.debug("warm-up skipped: {}", exc)
+
+    def _declare_schedules(self) -> None:
+        """Declare the `@exposed(cron=…)` schedules now; out of reach, the self-check does."""
+        try:
+            self.maintenance.keep_schedules()
+        except (StoreError, redis.RedisError, KeyExpiryError) as exc:
+            logger.error("schedules not declared yet ({}); retrying", exc)
 
     def _hand_over(self) -> None:
         """A graceful stop with peers: mark this listener stopping, then go on hearing and
@@ -269,7 +294,11 @@ class Listener:
         self.router.handle_evicted(raw)
 
     def handle_wake(self, data: bytes) -> None:
-        """Hand a wake message to the driver (see `Router.handle_wake`)."""
+        """Hand a wake message to the driver (see `Router.handle_wake`); a pause's or a
+        resume's has the pauses read again at once."""
+        if data == _PAUSE_WAKE:
+            self.dispatcher.gate.reread_pauses()
+            return
         self.router.handle_wake(data)
 
     def _self_check(self, now_s: float) -> None:

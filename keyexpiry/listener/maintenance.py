@@ -9,8 +9,9 @@ from collections.abc import Callable
 import redis
 from loguru import logger
 
+from keyexpiry import recurring
 from keyexpiry.clock import monotonic_s
-from keyexpiry.errors import StoreError
+from keyexpiry.errors import KeyExpiryError, RedisUnavailableError, StoreError
 from keyexpiry.ledger import retention
 from keyexpiry.ledger.rows import TaskStatus
 from keyexpiry.listener.health import Health
@@ -20,6 +21,8 @@ from keyexpiry.threads import Backoff, ThreadErrors
 
 _PRUNE_BATCHES = 10
 """At most this many batches of 1,000 rows per prune round (each its own short transaction)."""
+SCHEDULES_CHECK_S = 5.0
+"""How often a listener looks for schedules whose occurrence row went missing."""
 _WALK_PAGE_ROWS = 500
 """Keys per page of the walk over rows due later: a few ms of this process's time each."""
 _WALK_PACE = 1.0
@@ -76,6 +79,8 @@ class Maintenance:
         self._last_prune_s = monotonic_s()
         self._failures: dict[str, tuple[int, str]] = {}
         """Failures in a row of each duty (`_START`, `_WALK`, "self-check") and the last one."""
+        self.schedules_declared = False
+        self._last_schedules_s = -SCHEDULES_CHECK_S
 
     def failing(self) -> list[str]:
         """Why the loop is not doing its job: each duty that failed `FAILING_AFTER` times in
@@ -241,11 +246,30 @@ class Maintenance:
         if report.total:
             logger.info("retention: deleted {} finished row(s)", report)
 
+    def keep_schedules(self) -> None:
+        """Declare this listener's `@exposed(cron=…)` schedules (until that has worked once),
+        and put back any schedule's missing occurrence row, every `SCHEDULES_CHECK_S`."""
+        now_s = monotonic_s()
+        if now_s - self._last_schedules_s < SCHEDULES_CHECK_S or not self.schema_ready:
+            return
+        self._last_schedules_s = now_s
+        if not self.schedules_declared:
+            try:
+                recurring.declare_exposed(self.rt)
+            except (StoreError, RedisUnavailableError):
+                raise  # an outage: tried again at the next check
+            except KeyExpiryError as exc:
+                # A definition the ledger refuses (another schedule runs that task): said once.
+                logger.error("schedules not declared: {}", exc)
+            self.schedules_declared = True
+        recurring.restore_missing(self.rt)
+
     def _check(self) -> None:
         self._last_check_s = monotonic_s()
         try:
             self._self_check(monotonic_s())
             self._prune_if_due(monotonic_s())
+            self.keep_schedules()
             self._worked("self-check")
         except redis.ReadOnlyError as exc:
             self._health.read_only(exc)

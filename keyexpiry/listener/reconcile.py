@@ -257,6 +257,7 @@ class Reconciler:
         lease_expired: bool = True,
     ) -> None:
         requeued: list[str] = []
+        next_occurrences: list[tuple[str, int]] = []
         for row in rows:
             log = logger.bind(key=row.key, attempt=row.attempts)
             report.lease_expired += 1
@@ -271,7 +272,7 @@ class Reconciler:
             if row.attempts >= self._max_attempts(row):
                 if self.store.requeue_lost(
                     row, status=TaskStatus.DEAD, error=error, now_ms=now_ms,
-                    lease_expired=lease_expired,
+                    lease_expired=lease_expired, rearm=next_occurrences,
                 ):  # fmt: skip
                     report.dead += 1
                     log.error("{}; out of attempts, task is dead", error)
@@ -282,6 +283,8 @@ class Reconciler:
             ):  # fmt: skip
                 log.warning("{}; running it again", error)
                 requeued.append(row.key)
+        if next_occurrences:
+            self.rt.arm(next_occurrences, now_ms)  # a dead occurrence's schedule moved on
         if requeued:
             self.requeued_total += len(requeued)
             if self.submit is not None:

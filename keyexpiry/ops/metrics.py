@@ -22,8 +22,10 @@ from prometheus_client.registry import Collector
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.ops.observed import ObservedListener
+from keyexpiry.runner.gate import Gate
 
 if TYPE_CHECKING:
+    from keyexpiry.ledger.recurring import ScheduleRow
     from keyexpiry.ledger.store import Store
 
 PENDING_WINDOWS_S = (("overdue", 0), ("1m", 60), ("1h", 3600), ("1d", 86400))
@@ -58,6 +60,10 @@ NAMES = (
     "keyexpiry_share_caught_up_total",
     "keyexpiry_ledger_up",
     "keyexpiry_ledger_query_seconds",
+    "keyexpiry_schedule_last_success_timestamp_seconds",
+    "keyexpiry_schedule_next_timestamp_seconds",
+    "keyexpiry_schedule_interval_seconds",
+    "keyexpiry_schedule_paused",
 )
 """Every metric name `/metrics` serves (deploy/'s alert rules and dashboard use only these)."""
 
@@ -132,6 +138,42 @@ class LatestAnswer(Generic[T]):
         self._done.set()
 
 
+@dataclass(frozen=True)
+class ScheduleFigures:
+    """One recurring schedule as `/metrics` shows it; times in Unix seconds."""
+
+    name: str
+    paused: bool
+    last_success_s: float | None
+    """When a run of it last ended done; None: never."""
+    next_s: float | None
+    """When its next occurrence is due; None while paused, and once it has ended."""
+    interval_s: float | None
+    """The gap between its next occurrence and the one after (a cron's gaps vary: Friday to
+    Monday is 3 days for a weekday schedule); None when `next_s` is."""
+
+
+def schedule_figures(s: ScheduleRow) -> ScheduleFigures:
+    """`s` as `/metrics` shows it."""
+    last_success_s = None if s.last_success_ms is None else s.last_success_ms / 1000
+    nxt = None if s.paused else s.occurrence_ms
+    interval_ms = None
+    if nxt is not None:
+        after = s.recurrence.after(nxt, s.anchor_ms)
+        if after is not None:
+            interval_ms = after - nxt
+        elif s.last_scheduled_for_ms is not None and s.last_scheduled_for_ms < nxt:
+            # Its last occurrence: the gap that led to it, so a failing last run still alerts.
+            interval_ms = nxt - s.last_scheduled_for_ms
+    return ScheduleFigures(
+        s.name,
+        s.paused,
+        last_success_s,
+        None if nxt is None else nxt / 1000,
+        None if interval_ms is None else interval_ms / 1000,
+    )
+
+
 @dataclass
 class LedgerFigures:
     """What the ledger holds now (one scrape's worth)."""
@@ -141,10 +183,13 @@ class LedgerFigures:
     overdue: int
     live_listeners: int
     query_s: float
+    schedules: list[ScheduleFigures]
 
 
 class LedgerCollector(Collector):
-    """Task counts from the ledger's (status, due_at_ms, …) index, at most every `min_interval_s`.
+    """Task counts from the ledger's (status, due_at_ms, …) index, and each recurring
+    schedule's last success, next occurrence and interval (the schedule table, a row per
+    schedule, read whole), at most every `min_interval_s`.
 
     Only pending, running and dead are counted: done and cancelled rows are the bulk of a large
     ledger and counting them would walk millions of index entries per scrape. The counts are
@@ -193,7 +238,11 @@ class LedgerCollector(Collector):
             windows[name] = n - prev
             prev = n
         windows["later"] = by_status.get("pending", 0) - prev
-        return LedgerFigures(by_status, windows, overdue, live, time.perf_counter() - started)
+        # The whole schedule table in one SELECT: a row per schedule, a handful in practice.
+        schedules = [schedule_figures(s) for s in self._store.list_schedules()]
+        return LedgerFigures(
+            by_status, windows, overdue, live, time.perf_counter() - started, schedules
+        )
 
     def collect(self) -> Iterator[Metric]:
         figures = self.figures()
@@ -233,6 +282,75 @@ class LedgerCollector(Collector):
             "Time the last ledger read for these figures took.",
             figures.query_s,
         )
+        yield from _schedules(figures.schedules)
+
+
+def _schedules(schedules: list[ScheduleFigures]) -> Iterator[Metric]:
+    """The recurring schedules' figures, a series per schedule (none where there is no value:
+    no last success yet; no next occurrence or interval while paused or once ended)."""
+    families = {
+        "last_success": GaugeMetricFamily(
+            "keyexpiry_schedule_last_success_timestamp_seconds",
+            "When a run of the schedule last ended done (Unix time); absent until one has.",
+            labels=["schedule"],
+        ),
+        "next": GaugeMetricFamily(
+            "keyexpiry_schedule_next_timestamp_seconds",
+            "When the schedule's next occurrence is due (Unix time); absent while paused or "
+            "once ended.",
+            labels=["schedule"],
+        ),
+        "interval": GaugeMetricFamily(
+            "keyexpiry_schedule_interval_seconds",
+            "Seconds from the schedule's next occurrence to the one after; absent while paused "
+            "or once ended.",
+            labels=["schedule"],
+        ),
+        "paused": GaugeMetricFamily(
+            "keyexpiry_schedule_paused",
+            "1 while the schedule is paused, else 0.",
+            labels=["schedule"],
+        ),
+    }
+    for s in schedules:
+        if s.last_success_s is not None:
+            families["last_success"].add_metric([s.name], s.last_success_s)
+        if s.next_s is not None:
+            families["next"].add_metric([s.name], s.next_s)
+        if s.interval_s is not None:
+            families["interval"].add_metric([s.name], s.interval_s)
+        families["paused"].add_metric([s.name], s.paused)
+    yield from families.values()
+
+
+def _flow(gate: Gate) -> Iterator[Metric]:
+    """Flow control's figures: what was held back, what waits now, what is paused."""
+    held_back = CounterMetricFamily(
+        "keyexpiry_held_back",
+        "Due tasks held back instead of claimed, each counted once when it starts waiting: "
+        "limit (the method's concurrency), rate, group (one_at_a_time), paused.",
+        labels=["task", "reason"],
+    )
+    for (task, reason), n in sorted(gate.held_back_total.items()):
+        held_back.add_metric([task, reason], n)
+    yield held_back
+    held = GaugeMetricFamily(
+        "keyexpiry_held_tasks",
+        "Due tasks this listener holds back now (pending in the ledger), by reason.",
+        labels=["task", "reason"],
+    )
+    for task, reasons in sorted(gate.held().items()):
+        for reason, n in sorted(reasons.items()):
+            held.add_metric([task, reason], n)
+    yield held
+    paused = GaugeMetricFamily(
+        "keyexpiry_paused",
+        "Pauses in force (a class or Class.method), as this listener last read them.",
+        labels=["target"],
+    )
+    for pause in gate.paused():
+        paused.add_metric([pause.target], 1)
+    yield paused
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -287,6 +405,7 @@ class ListenerCollector(Collector):
         ignored.add_metric(["refused"], lst.ignored)
         ignored.add_metric(["other_listener"], lst.router.others_share)
         yield ignored
+        yield from _flow(lst.dispatcher.gate)
         share = lst.fleet.partition
         yield _gauge(
             "keyexpiry_share_buckets",

@@ -19,6 +19,7 @@ from keyexpiry.keys import excerpt, parse_key
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
 from keyexpiry.log import SaidOnce
 from keyexpiry.registry import TaskSpec
+from keyexpiry.runner.gate import Gate
 from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.runtime import Runtime
 from keyexpiry.threads import Backoff, ThreadErrors
@@ -65,6 +66,10 @@ class Intake:
                 self._queued.add(key)
                 self._incoming.put(key)
 
+    def wake(self) -> None:
+        """End a `wait` now (flow control: held keys may be offered); never blocks."""
+        self._incoming.put("")
+
     def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for a key; True when one waits."""
         if self._backlog:
@@ -86,8 +91,10 @@ class Intake:
         batch: list[str] = []
         with self._lock:
             while self._backlog and len(batch) < room:
-                batch.append(key := self._backlog.popleft())
-                self._queued.discard(key)
+                key = self._backlog.popleft()
+                if key:  # not a wake-up
+                    batch.append(key)
+                    self._queued.discard(key)
         return batch
 
     def requeue(self, keys: list[str]) -> None:
@@ -105,10 +112,17 @@ class Claimer:
     """The claim loop: waits for room among the workers, claims a batch, queues the runs."""
 
     def __init__(
-        self, rt: Runtime, inflight: InFlight, stats: DispatchStats, errors: ThreadErrors
+        self,
+        rt: Runtime,
+        inflight: InFlight,
+        stats: DispatchStats,
+        errors: ThreadErrors,
+        gate: Gate,
     ) -> None:
         self.rt = rt
         self.intake = Intake(stats, rt.settings.claim_batch * 4)
+        self.gate = gate
+        gate.wake = self.intake.wake
         self._inflight = inflight
         self._stats = stats
         self._errors = errors
@@ -134,7 +148,8 @@ class Claimer:
                 batch, token = unsettled.keys, unsettled.token
                 times: tuple[int, int] | None = (unsettled.now_ms, unsettled.lease_until_ms)
             else:
-                if not self.intake.wait(0.1):
+                gate = self.gate
+                if not self.intake.wait(gate.wait_s(0.1)) and gate.wait_s(0.1) > 0:
                     continue
                 with inflight.cond:
                     self.claiming = True
@@ -146,7 +161,9 @@ class Claimer:
                 if self.stop.is_set():
                     self.claiming = False
                     break
-                batch, token = self.intake.take(room), f"{self.rt.owner}:{next(self._seq)}"
+                batch = gate.take_ready(room)
+                batch += self.intake.take(room - len(batch))
+                token = f"{self.rt.owner}:{next(self._seq)}"
                 times = None
             self.claiming = True
             try:
@@ -195,6 +212,9 @@ class Claimer:
             spec = self._spec_for_key(key)
             if spec is not None:
                 specs[key] = spec
+        if times is None:
+            # Not a claim repeated after a lost reply: its rows may run under `token` already.
+            specs = self.gate.admit(specs, token)
         if not specs:
             return
         settings = self.rt.settings
@@ -217,6 +237,11 @@ class Claimer:
                 self._unsettled = _Unsettled(list(specs), token, now_ms, lease_until_ms)
                 raise
             rows, locked = self._claim_around_locks(list(specs), exc, now_ms, lease_until_ms, token)
+        except BaseException:
+            # Not a commit whose outcome is unknown (above): nothing runs under `token`, so its
+            # permits go back (kept, they would be refreshed for as long as this listener lives).
+            self.gate.unclaimed(specs, token, specs)
+            raise
         self._stats.claimed += len(rows)
         self._inflight.add_claimed(
             [
@@ -231,6 +256,11 @@ class Claimer:
             ]
         )
         claimed = {r.key for r in rows}
+        # Keys left to be claimed again under `token` (a connection lost among the one-by-one
+        # claims) keep their permits: that claim is not admitted again.
+        unsettled = self._unsettled
+        again = set(unsettled.keys) if unsettled is not None and unsettled.token == token else set()
+        self.gate.unclaimed(specs, token, (k for k in specs if k not in claimed and k not in again))
         # A locked row is left to the overdue check: re-armed now, it would come straight back
         # and wait on the lock again.
         unclaimed = [k for k in specs if k not in claimed and k not in locked]

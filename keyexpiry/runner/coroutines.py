@@ -73,7 +73,7 @@ class CoroutineRunner:
         with self._lock:
             if self._closed:
                 # A worker took it just as the listener stopped: its lease decides.
-                self._executor.inflight.dropped()
+                self._executor.inflight.dropped(run)
                 return
             if len(self._futures) >= self._limit:
                 self._waiting.append(run)

@@ -25,6 +25,7 @@ from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.runner.claimer import Claimer
 from keyexpiry.runner.executor import Executor, Watchdog
+from keyexpiry.runner.gate import Gate
 from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.runner.recorder import Recorder
 from keyexpiry.runtime import Runtime
@@ -45,8 +46,12 @@ class Dispatcher:
         self.inflight = InFlight(
             rt.settings.concurrency, rt.settings.claim_batch, rt.settings.async_concurrency
         )
-        self.claimer = Claimer(rt, self.inflight, self.stats, self.thread_errors)
+        self.gate = Gate(rt)
+        """Flow control: pauses, fleet-wide limits, rates and groups (`runner.gate`)."""
+        self.inflight.on_leave = self.gate.release
+        self.claimer = Claimer(rt, self.inflight, self.stats, self.thread_errors, self.gate)
         self.executor = Executor(rt, self.inflight, self.stats, self.thread_errors, self._stopped)
+        self.executor.gate = self.gate
         self.watchdog = Watchdog(rt, self.executor, self.stats)
         self.recorder = Recorder(rt, self.inflight, self.stats, self.thread_errors)
 
@@ -140,7 +145,7 @@ class Dispatcher:
                 len(runs),
                 exc,
             )
-        self.inflight.dropped(len(runs))
+        self.inflight.dropped(*runs)
         logger.info("released {} claimed task(s) that had not started", len(runs))
 
     def _spawn(self, name: str, target: Callable[[], object]) -> None:

@@ -3,6 +3,7 @@ their timeout, and each ended run becomes an outcome (done, retry at a time, or 
 
 from __future__ import annotations
 
+import datetime as dt
 import inspect
 import threading
 import traceback
@@ -16,12 +17,14 @@ from keyexpiry import limits, retries, threads, tracing
 from keyexpiry.clock import monotonic_s
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
-from keyexpiry.ledger.rows import Outcome, TaskStatus
+from keyexpiry.ledger.rows import Occurrence, Outcome, TaskStatus
 from keyexpiry.results import encode_result
 from keyexpiry.runner.coroutines import CoroutineRunner
+from keyexpiry.runner.gate import Gate
 from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.runner.transactional import run_in_transaction
 from keyexpiry.runtime import Runtime
+from keyexpiry.schedules import plan_run
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -51,6 +54,7 @@ def ended(
         due_at_ms=run.row.due_at_ms,
         last_error=error,
         result=result,
+        occurrence=run.occurrence,
     )
 
 
@@ -87,7 +91,10 @@ def failed(rt: Runtime, run: ClaimedRun, error: str, *, delay_s: float | None = 
             log.warning("{}; retrying on the schedule instead ({:g} s)", exc, delay)
     due = rt.clock.now_ms() + int(delay * 1000)
     log.info("will retry in {:g} s", delay)
-    return Outcome(row.id, row.key, run.token, TaskStatus.PENDING, None, due, error)
+    return Outcome(
+        row.id, row.key, run.token, TaskStatus.PENDING, None, due, error,
+        occurrence=run.occurrence,
+    )  # fmt: skip
 
 
 class Executor:
@@ -113,6 +120,8 @@ class Executor:
         self.threads: list[threading.Thread] = []
         self.coroutines = CoroutineRunner(self, rt.settings.async_concurrency)
         """Where `async def` handlers run: an event loop on a thread of its own."""
+        self.gate: Gate | None = None
+        """Flow control: a run whose method was paused after its claim is given back."""
 
     def spawn_worker(self) -> None:
         """One more worker (at start, and to replace one abandoned to a hung handler)."""
@@ -210,13 +219,19 @@ class Executor:
         row = run.row
         log = logger.bind(key=row.key, attempt=row.attempts)
         started_ms = self.rt.clock.now_ms()
+        if self.gate is not None and self.gate.paused_now(run.spec):
+            # Paused between its claim and its start: given back unstarted (no attempt).
+            self._give_back_paused(run, started_ms, log)
+            return None
         if not self._lease_covers(run, started_ms, log):
-            self.inflight.dropped()
+            self.inflight.dropped(run)
             return None
         self.inflight.started(run)
         late = late_ms(started_ms, row.due_at_ms)
         if late is not None:
             self.rt.metrics.started(run.spec.label, late)
+        if row.schedule_name is not None and not self._plan_occurrence(run, started_ms, log):
+            return None
         try:
             if row.problem is not None:
                 raise ArgumentError(f"ledger row {row.id}: {row.problem}")
@@ -230,7 +245,13 @@ class Executor:
         due_at_ms = max(row.due_at_ms, limits.MIN_DUE_MS)
         payload = row.payload
         ctx = TaskContext(
-            row.key, row.attempts, due_at_ms, self.rt.store.engine, started_ms, payload=payload
+            row.key,
+            row.attempts,
+            due_at_ms,
+            self.rt.store.engine,
+            started_ms,
+            payload=payload,
+            scheduled_for_ms=None if run.occurrence is None else run.occurrence.scheduled_for_ms,
         )
         spec = run.spec
         traced = tracing.run_span(spec.label, row.key, row.attempts, late, row.traceparent)
@@ -255,6 +276,58 @@ class Executor:
                 return invoke()
 
         return call, ctx
+
+    def _plan_occurrence(self, run: ClaimedRun, now_ms: int, log: Logger) -> bool:
+        """Which occurrence of its schedule `run` stands for (`keyexpiry.schedules.plan_run`);
+        False when it is not to run (a missed occurrence under `catch_up="none"`: recorded as
+        skipped, and the schedule moves on). A schedule that is gone (removed, or not this
+        key's) leaves a plain run; a ledger out of reach fails this attempt (retried)."""
+        row = run.row
+        assert row.schedule_name is not None
+        try:
+            sched = self.rt.store.get_schedule(row.schedule_name)
+        except StoreError as exc:
+            # Its occurrence cannot be told: this attempt fails, and is retried per schedule.
+            self.finish(run, failed(self.rt, run, f"could not read its schedule: {exc}"))
+            return False
+        if sched is None or sched.task_key != row.key or sched.occurrence_ms is None:
+            log.warning("schedule {!r} is gone: running as a plain task", row.schedule_name)
+            return True
+        if row.due_at_ms < sched.occurrence_ms:
+            # Moved ahead of its occurrence (run now): an extra run; the occurrence stays next.
+            run.occurrence = Occurrence(sched.name, row.due_at_ms, started_ms=now_ms, extra=True)
+            return True
+        plan = plan_run(
+            sched.recurrence, sched.occurrence_ms, now_ms, sched.anchor_ms, sched.catch_up,
+            sched.catch_up_max,
+        )  # fmt: skip
+        run.occurrence = Occurrence(
+            sched.name, plan.scheduled_for_ms, skipped=not plan.run, started_ms=now_ms
+        )
+        if plan.missed:
+            log.info(
+                "schedule {}: {} occurrence(s) missed since {}; catch_up={}: {}",
+                sched.name,
+                plan.missed,
+                _iso(sched.occurrence_ms),
+                sched.catch_up,
+                f"this run stands for {_iso(plan.scheduled_for_ms)}" if plan.run else "skipped",
+            )
+        if not plan.run:
+            self.finish(run, ended(self.rt, run, TaskStatus.DONE, None))
+            return False
+        return True
+
+    def _give_back_paused(self, run: ClaimedRun, now_ms: int, log: Logger) -> None:
+        assert self.gate is not None
+        try:
+            self.rt.store.release([run.row.id], run.token, now_ms)
+        except StoreError as exc:
+            log.warning("paused before it started; not given back ({}): runs after its lease", exc)
+        else:
+            log.info("paused before it started: given back, held until resumed")
+            self.gate.hold_paused(run.spec, run.row.key)
+        self.inflight.dropped(run)
 
     def settle(self, run: ClaimedRun, result: object, error: BaseException | None) -> Outcome:
         """What an ended handler call becomes, the same for sync and async handlers: returned
@@ -382,3 +455,7 @@ def _discard(awaitable: Awaitable[Any]) -> None:
     close = getattr(awaitable, "close", None)
     if callable(close):
         close()
+
+
+def _iso(ms: int) -> str:
+    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).isoformat(timespec="seconds")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from keyexpiry.clock import monotonic_s
-from keyexpiry.ledger.rows import Outcome, TaskRow
+from keyexpiry.ledger.rows import Occurrence, Outcome, TaskRow
 from keyexpiry.registry import TaskSpec
 
 # Claims may run ahead of the workers by about this much queued work, so the claimer's round trip
@@ -44,6 +44,8 @@ class ClaimedRun:
     connection), while the run holds it; the watchdog takes it when it abandons the run."""
     tx_taken: bool = False
     """The watchdog took `end_tx`: the run's connection must never go back to the pool."""
+    occurrence: Occurrence | None = None
+    """The schedule's occurrence this run stands for (set as it starts), or None."""
 
 
 @dataclass
@@ -86,6 +88,9 @@ class InFlight:
         self._claim_batch = claim_batch
         self._async_limit = async_limit
         self._run_s_avg: float | None = None  # moving average of handler run time
+        self.on_leave: Callable[[ClaimedRun], None] = _nothing
+        """Called (outside the condition) for each run that leaves flight, however it leaves:
+        flow control gives its permit back."""
 
     def claim_limit(self) -> int:
         """How many claimed runs may be in flight: the workers plus a short queue ahead of them,
@@ -122,11 +127,13 @@ class InFlight:
             if run.spec.is_async:
                 self.coroutines += 1
 
-    def dropped(self, count: int = 1) -> None:
+    def dropped(self, *runs: ClaimedRun) -> None:
         """Claimed runs that will not run here (claim lost, released at shutdown)."""
         with self.cond:
-            self.count -= count
+            self.count -= len(runs)
             self.cond.notify_all()
+        for run in runs:
+            self.on_leave(run)
 
     def finished(self, run: ClaimedRun, outcome: Outcome) -> bool:
         """A run returned; queue its outcome. False when the watchdog already failed it."""
@@ -142,6 +149,7 @@ class InFlight:
                 avg = self._run_s_avg
                 self._run_s_avg = took_s if avg is None else avg + 0.05 * (took_s - avg)
             self.cond.notify_all()
+        self.on_leave(run)
         return True
 
     def committing(self, run: ClaimedRun) -> bool:
@@ -180,6 +188,7 @@ class InFlight:
                 return False
             self._leave(run)
             self.cond.notify_all()
+        self.on_leave(run)
         return True
 
     def take_late(self, now: float) -> tuple[list[ClaimedRun], float]:
@@ -203,6 +212,8 @@ class InFlight:
                 self._leave(run)
             if late:
                 self.cond.notify_all()
+        for run in late:
+            self.on_leave(run)
         return late, next_deadline
 
     def _leave(self, run: ClaimedRun) -> None:
@@ -261,3 +272,7 @@ class InFlight:
         """Nothing claimed, running or waiting to be recorded."""
         with self.cond:
             return self.count == 0 and not self.outcomes and self.recording == 0
+
+
+def _nothing(_run: ClaimedRun) -> None:
+    pass

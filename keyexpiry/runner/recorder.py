@@ -46,8 +46,10 @@ class Recorder:
             if not batch:
                 return
             try:
+                rearm: list[tuple[str, int]] = []
                 with tracing.span("keyexpiry.record", **{"keyexpiry.outcomes": len(batch)}):
-                    self.rt.store.record(batch, self.rt.clock.now_ms())
+                    self.rt.store.record(batch, self.rt.clock.now_ms(), rearm)
+                self._arm_next_occurrences(rearm)
             except Exception as exc:
                 if not isinstance(exc, StoreError | redis.RedisError):
                     # Not an outage: some outcome the database refuses. Write the rest one by one
@@ -97,7 +99,9 @@ class Recorder:
         written: list[Outcome] = []
         for outcome in batch:
             try:
-                self.rt.store.record([outcome], self.rt.clock.now_ms())
+                rearm: list[tuple[str, int]] = []
+                self.rt.store.record([outcome], self.rt.clock.now_ms(), rearm)
+                self._arm_next_occurrences(rearm)
                 written.append(outcome)
             except (StoreError, redis.RedisError):
                 left.append(outcome)
@@ -123,7 +127,9 @@ class Recorder:
         locked: list[Outcome] = []
         for i, outcome in enumerate(batch):
             try:
-                self.rt.store.record([outcome], self.rt.clock.now_ms())
+                rearm: list[tuple[str, int]] = []
+                self.rt.store.record([outcome], self.rt.clock.now_ms(), rearm)
+                self._arm_next_occurrences(rearm)
             except StoreError as err:
                 if not err.lock_timeout:
                     return written, locked + batch[i:]  # the database went away: later
@@ -134,6 +140,17 @@ class Recorder:
                 continue
             written.append(outcome)
         return written, locked
+
+    def _arm_next_occurrences(self, items: list[tuple[str, int]]) -> None:
+        """Arm the keys of schedules' next occurrences (their rows committed)."""
+        if not items:
+            return
+        try:
+            self.rt.arm(list(dict(items).items()))
+        except redis.RedisError as exc:
+            logger.warning(
+                "could not arm {} next occurrence(s): {}; reconciliation will", len(items), exc
+            )
 
     def _after_record(self, batch: list[Outcome]) -> None:
         retries = [o for o in batch if o.status is TaskStatus.PENDING]

@@ -1,13 +1,15 @@
 """The dashboard's pages and actions (Starlette, server-rendered; no JavaScript).
 
 Reads go through the ledger's indexed queries (the same ones `/metrics` uses for its counts);
-actions go through `Client` (retry, run now, cancel), so they behave exactly as the API does.
+actions go through `Client` (retry, run now, cancel; pause and resume; a schedule's pause,
+resume and run now), so they behave exactly as the API does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -25,6 +27,7 @@ from keyexpiry.client import Client
 from keyexpiry.errors import KeyExpiryError
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
 from keyexpiry.ledger.table import EARLIER_ERRORS
+from keyexpiry.pausing import parse_duration
 from keyexpiry.printable import for_html
 from keyexpiry.settings import Settings
 from keyexpiry.web.security import Csrf, Guard
@@ -40,6 +43,15 @@ MESSAGES = {
     "not-runnable": "not pending: nothing to run",
     "cancelled": "cancelled",
     "not-cancellable": "not pending: nothing cancelled",
+    "paused": "paused: listeners hold its tasks back",
+    "resumed": "resumed: its held-back tasks run now",
+    "not-paused": "was not paused: nothing resumed",
+    "schedule-paused": "schedule paused: nothing of it runs until it is resumed",
+    "schedule-resumed": "schedule resumed",
+    "schedule-due-now": "schedule's extra run due now (its regular runs follow)",
+    "schedule-not-runnable": "schedule has no pending occurrence (paused, ended or running): "
+    "nothing started",
+    "no-schedule": "no such schedule (removed meanwhile?)",
 }
 """What an action's redirect may show, by the code in its `msg=`: a link cannot make the
 dashboard show text of its author's choosing."""
@@ -133,7 +145,21 @@ class Dashboard:
 
     # --- pages --------------------------------------------------------------------------------
     def index(self, request: Request) -> Response:
-        store, now_ms = self.client.store, self.client.clock.now_ms()
+        return self.index_page(request)
+
+    def index_page(
+        self, request: Request, message: str | None = None, code: int = 200, **form: str
+    ) -> Response:
+        """The overview, with `message` at its top (an action's error) and the pause form
+        filled with `form` (what was submitted, to correct)."""
+        client = self.client
+        store, now_ms = client.store, client.clock.now_ms()
+        try:
+            schedules, schedules_error = client.schedules(), None
+        except (KeyExpiryError, ValueError) as exc:
+            # A schedule row keyexpiry would not have written (edited by hand): the rest of the
+            # overview still shows, and this section says what is wrong.
+            schedules, schedules_error = [], str(exc)
         counts = store.active_counts()
         step_ms = _CHART_BUCKET_S * 1000
         edges = [now_ms - 1000] + [now_ms + i * step_ms for i in range(_CHART_BUCKETS + 1)]
@@ -146,7 +172,18 @@ class Dashboard:
         return self.render(
             request,
             "index.html",
+            code,
+            message,
             now_ms=now_ms,
+            pauses=client.paused(),
+            held=sorted(
+                (task, reason, n)
+                for task, reasons in client.held().items()
+                for reason, n in reasons.items()
+            ),
+            form=form,
+            schedules=schedules,
+            schedules_error=schedules_error,
             counts={s: counts.get(s, 0) for s in ("pending", "running", "dead")},
             overdue=overdue,
             next_hour=below[-1] - below[1],
@@ -216,6 +253,73 @@ class Dashboard:
             return await run_in_threadpool(self._failed, request, key, exc)
         return RedirectResponse(_url(request, "task", key=key, msg=code), status_code=303)
 
+    async def pause(self, request: Request) -> Response:
+        """POST /pause: pause `target` ("Class" or "Class.method"), for the optional `for`
+        duration (30m, 2h, …; none: until resumed), with the optional `reason`."""
+        return await self._pause_action(request, "pause")
+
+    async def resume(self, request: Request) -> Response:
+        """POST /resume: end the pause of `target`."""
+        return await self._pause_action(request, "resume")
+
+    async def _pause_action(self, request: Request, action: str) -> Response:
+        form = {
+            k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8", "replace")).items()
+        }
+        if not self.csrf.valid(request, form.get("csrf")):
+            return PlainTextResponse("bad or missing CSRF token\n", status_code=403)
+        target, duration = form.get("target", ""), form.get("for", "").strip()
+        reason = form.get("reason") or None
+        try:
+            # On the thread pool, `self.client` included: its first use connects (blocking).
+            if action == "pause":
+                for_s = parse_duration(duration) if duration else None
+                await run_in_threadpool(
+                    lambda: self.client.pause(target, for_s=for_s, reason=reason)
+                )
+                code = "paused"
+            else:
+                resumed = await run_in_threadpool(lambda: self.client.resume(target))
+                code = "resumed" if resumed else "not-paused"
+        except KeyExpiryError as exc:
+            # The form comes back as sent, to correct (escaped by the template like any text).
+            sent = {"target": target, "for": duration, "reason": reason or ""}
+            filled = sent if action == "pause" else {}
+            return await run_in_threadpool(
+                functools.partial(self.index_page, request, f"error: {exc}", 400, **filled)
+            )
+        return RedirectResponse(_url(request, "index", msg=code), status_code=303)
+
+    async def schedule_act(self, request: Request) -> Response:
+        """POST /schedule/pause, /schedule/resume, /schedule/run: pause, resume or run now the
+        schedule `name` (`Client.pause_schedule`, `resume_schedule`, `run_schedule_now`)."""
+        form = {
+            k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8", "replace")).items()
+        }
+        if not self.csrf.valid(request, form.get("csrf")):
+            return PlainTextResponse("bad or missing CSRF token\n", status_code=403)
+        action, name = request.path_params["action"], form.get("name", "")
+        if action not in ("pause", "resume", "run"):
+            return PlainTextResponse("unknown action: pause, resume or run\n", status_code=404)
+        try:
+            code = await run_in_threadpool(self._schedule_do, action, name)
+        except KeyExpiryError as exc:
+            return await run_in_threadpool(
+                functools.partial(self.index_page, request, f"error: {exc}", 400)
+            )
+        return RedirectResponse(_url(request, "index", msg=code), status_code=303)
+
+    def _schedule_do(self, action: str, name: str) -> str:
+        """Do `action` on schedule `name`; the code (in MESSAGES) of what happened."""
+        client = self.client
+        if action == "pause":
+            return "schedule-paused" if client.pause_schedule(name) else "no-schedule"
+        if action == "resume":
+            return "schedule-resumed" if client.resume_schedule(name) else "no-schedule"
+        if client.run_schedule_now(name):
+            return "schedule-due-now"
+        return "schedule-not-runnable" if client.get_schedule(name) else "no-schedule"
+
     def _failed(self, request: Request, key: str, exc: KeyExpiryError) -> Response:
         """An action's error, in this answer (never through a link: the text is the error's
         own), on the task's page when that can still be shown."""
@@ -253,6 +357,11 @@ _PATHS = {
     "retry": "/task/retry",
     "run": "/task/run",
     "cancel": "/task/cancel",
+    "pause": "/pause",
+    "resume": "/resume",
+    "schedule_pause": "/schedule/pause",
+    "schedule_resume": "/schedule/resume",
+    "schedule_run": "/schedule/run",
     "css": "/static/dashboard.css",
 }
 
@@ -305,6 +414,14 @@ def create_app(
             Route("/tasks", dashboard.tasks, name="tasks"),
             Route("/task", dashboard.task, name="task"),
             Route("/task/{action}", dashboard.act, methods=["POST"], name="act"),
+            Route("/pause", dashboard.pause, methods=["POST"], name="pause"),
+            Route("/resume", dashboard.resume, methods=["POST"], name="resume"),
+            Route(
+                "/schedule/{action}",
+                dashboard.schedule_act,
+                methods=["POST"],
+                name="schedule_act",
+            ),
             Route("/static/dashboard.css", _static, name="css"),
         ],
         lifespan=lifespan,

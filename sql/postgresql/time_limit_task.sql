@@ -7,6 +7,10 @@
 -- (case-sensitive, as on MySQL's ascii_bin) and lets the unique index serve a class's keys as a
 -- `LIKE 'Class@%'` range whatever the database's locale. Tags compare byte for byte the same way.
 --
+-- Upgrading a table created before recurring schedules (keyexpiry init-db does this, and creates
+-- keyexpiry_schedule: sql/postgresql/keyexpiry_schedule.sql):
+--   ALTER TABLE time_limit_task ADD COLUMN schedule_name VARCHAR(200) COLLATE "C" NULL;
+--
 -- Run it in the database the ledger URL names, as a role that owns the tables (or has SELECT,
 -- INSERT, UPDATE, DELETE on them and USAGE on the id sequence).
 CREATE TABLE IF NOT EXISTS time_limit_task (
@@ -30,6 +34,9 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     result           TEXT         NULL,                -- the handler's return value, JSON
     payload          TEXT         NULL,                -- what travels with the task, JSON
     traceparent      VARCHAR(55)  NULL,                -- W3C traceparent of the creating span
+    -- the schedule whose occurrence the row is (keyexpiry_schedule.name); NULL: a plain task,
+    -- what producers write (they leave the column out)
+    schedule_name    VARCHAR(200) COLLATE "C" NULL,
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key)
 );

@@ -67,6 +67,21 @@ class Spawned:
         self, settings: Settings, *, skew: str | None = None, **env: str
     ) -> tuple[subprocess.Popen[bytes], Path]:
         """Start a listener (its clock skewed by `skew`) and wait until it has subscribed."""
+        return self.listen_many(settings, 1, skew=skew, **env)[0]
+
+    def listen_many(
+        self, settings: Settings, count: int, *, skew: str | None = None, **env: str
+    ) -> list[tuple[subprocess.Popen[bytes], Path]]:
+        """Start `count` listeners together (their start-ups overlap), then wait until each has
+        subscribed."""
+        started = [self._start(settings, skew, env) for _ in range(count)]
+        for proc, log in started:
+            _wait_subscribed(proc, log)
+        return started
+
+    def _start(
+        self, settings: Settings, skew: str | None, env: dict[str, str]
+    ) -> tuple[subprocess.Popen[bytes], Path]:
         log = self._tmp / f"listener-{len(self.procs)}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(
@@ -80,12 +95,6 @@ class Spawned:
                 start_new_session=True,
             )
         self.procs.append(proc)
-
-        def subscribed() -> bool:
-            assert proc.poll() is None, f"listener exited:\n{log.read_text()[-3000:]}"
-            return "subscribed to" in log.read_text()
-
-        wait_until(subscribed, 30, interval_s=0.05, message=f"listener never subscribed ({log})")
         return proc, log
 
     def stop_all(self) -> None:
@@ -99,6 +108,14 @@ class Spawned:
                     time.sleep(0.05)
             signal_group(proc, signal.SIGKILL)
             proc.wait()
+
+
+def _wait_subscribed(proc: subprocess.Popen[bytes], log: Path) -> None:
+    def subscribed() -> bool:
+        assert proc.poll() is None, f"listener exited:\n{log.read_text()[-3000:]}"
+        return "subscribed to" in log.read_text()
+
+    wait_until(subscribed, 30, interval_s=0.05, message=f"listener never subscribed ({log})")
 
 
 def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
