@@ -11,6 +11,7 @@ expression is a real-time interval, "every 15 minutes", and runs in both passes,
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import math
 from dataclasses import dataclass
@@ -107,6 +108,8 @@ class Recurrence:
             limits.number(
                 self.every_s, "every_s", low=MIN_EVERY_S, high=limits.MAX_DELAY_S, error=ConfigError
             )
+            # Whole milliseconds, as stored: a declaration read back compares equal.
+            object.__setattr__(self, "every_s", round(self.every_s * 1000) / 1000)
         check_zone(self.tz)
         if self.start_ms is not None and self.end_ms is not None and self.end_ms <= self.start_ms:
             raise ConfigError("a schedule's end must come after its start")
@@ -169,6 +172,7 @@ class Plan:
     run: bool
     scheduled_for_ms: int
     missed: int
+    """How many were found missed: all of them, or (after long downtime) at least these."""
 
 
 def plan_run(
@@ -183,23 +187,41 @@ def plan_run(
     with no occurrence missed, that one; else per `catch_up` (latest: the last missed one; all:
     this one, unless more than `catch_up_max` were missed, then the oldest of the last ones;
     none: skip, the schedule moves on to the next future occurrence)."""
-    missed: list[int] = []
-    t = occurrence_ms
-    for _ in range(_SCAN_MAX):
-        nxt = rec.after(t, anchor_ms)
-        if nxt is None or nxt > now_ms:
-            break
-        missed.append(nxt)
-        t = nxt
-    if not missed:
+    keep = max(1, catch_up_max) if catch_up == "all" else 1
+    recent, missed, complete = _recent(rec, occurrence_ms, now_ms, anchor_ms, keep)
+    if not recent:
         return Plan(True, occurrence_ms, 0)
     if catch_up == "none":
-        return Plan(False, missed[-1], len(missed))
+        return Plan(False, recent[-1], missed)
     if catch_up == "latest":
-        return Plan(True, missed[-1], len(missed))
-    everything = [occurrence_ms, *missed]
-    kept = everything[-max(1, catch_up_max) :]
-    return Plan(True, kept[0], len(missed))
+        return Plan(True, recent[-1], missed)
+    everything = [occurrence_ms, *recent] if complete else recent
+    return Plan(True, everything[-keep:][0], missed)
+
+
+def _recent(
+    rec: Recurrence, after_ms: int, now_ms: int, anchor_ms: int, keep: int
+) -> tuple[list[int], int, bool]:
+    """The last `keep` occurrences in (`after_ms`, `now_ms`], how many were found, and whether
+    that is all of them. Walked from a window before `now_ms` that grows (4 times, from a minute)
+    until it holds `keep` or reaches `after_ms`: a schedule down for months costs a few
+    windows' walk, never every occurrence since (a minutely cron down for a year: 525,600)."""
+    span_ms = 60_000
+    while True:
+        start = max(after_ms, now_ms - span_ms)
+        found: collections.deque[int] = collections.deque(maxlen=keep)
+        count, t = 0, start
+        for _ in range(_SCAN_MAX):
+            nxt = rec.after(t, anchor_ms)
+            if nxt is None or nxt > now_ms:
+                break
+            found.append(nxt)
+            count += 1
+            t = nxt
+        if len(found) >= keep or start == after_ms:
+            # From a window that began after `after_ms`, more were missed before it.
+            return list(found), count, start == after_ms
+        span_ms *= 4
 
 
 def next_after_run(

@@ -14,6 +14,7 @@ import pytest
 
 from keyexpiry import Client, ConfigError, Listener, Settings, exposed, recurring
 from keyexpiry.bench.servers import wait_until
+from keyexpiry.ledger.rows import Occurrence, Outcome
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.registry import Registry
@@ -137,11 +138,28 @@ HOUR = 3_600_000
 def test_catch_up_after_downtime_runs_latest_all_or_none() -> None:
     rec = Recurrence(every_s=3600)
     due, now = 10 * HOUR, 13 * HOUR + 5  # down across 11:00, 12:00 and 13:00
-    assert plan_run(rec, due, now, 0, "latest") == Plan(True, 13 * HOUR, 3)
+    assert _chose(plan_run(rec, due, now, 0, "latest")) == (True, 13 * HOUR)
     assert plan_run(rec, due, now, 0, "all") == Plan(True, 10 * HOUR, 3)
-    assert plan_run(rec, due, now, 0, "all", catch_up_max=2) == Plan(True, 12 * HOUR, 3)
-    assert plan_run(rec, due, now, 0, "none") == Plan(False, 13 * HOUR, 3)
+    assert _chose(plan_run(rec, due, now, 0, "all", catch_up_max=2)) == (True, 12 * HOUR)
+    assert _chose(plan_run(rec, due, now, 0, "none")) == (False, 13 * HOUR)
     assert plan_run(rec, due, due + 5, 0, "none") == Plan(True, due, 0)  # just late: runs
+
+
+def test_catch_up_after_months_down_walks_a_window_not_every_occurrence() -> None:
+    minutely = Recurrence(cron="* * * * *")
+    due, now = 0, 200 * 24 * HOUR + 30_000  # 288,000 minutes missed
+    assert _chose(plan_run(minutely, due, now, 0, "latest")) == (True, 200 * 24 * HOUR)
+    plan = plan_run(minutely, due, now, 0, "all", catch_up_max=3)
+    assert plan.scheduled_for_ms == 200 * 24 * HOUR - 2 * 60_000  # the last three, in order
+    assert next_after_run(minutely, plan.scheduled_for_ms, now + 10, 0, "skip", now) == (
+        200 * 24 * HOUR - 60_000
+    )
+    # Kept in whole milliseconds, as stored: declared again, the same definition.
+    assert Recurrence(every_s=90.1234) == Recurrence(every_s=90.123)
+
+
+def _chose(plan: Plan) -> tuple[bool, int]:
+    return plan.run, plan.scheduled_for_ms
 
 
 def test_a_run_that_overlaps_its_next_occurrence_skips_it_or_waits() -> None:
@@ -334,3 +352,38 @@ def test_an_occurrence_that_dies_with_its_listener_moves_its_schedule_on(
         assert client.redis.exists(key)
         assert client.store.schedules_without_occurrence() == []
         assert client.unschedule("chores")
+
+
+def test_a_pause_while_an_occurrence_runs_moves_the_schedule_on_when_it_ends(
+    redis_url: str, db_url: str, tmp_path: Path
+) -> None:
+    """Paused mid-run, the run keeps its schedule: its end moves the schedule on (no row while
+    paused), and the resume creates the next occurrence, not the one that ran."""
+    settings = make_settings(redis_url, db_url, tmp_path)
+    with Client(settings) as client:
+        sched = client.schedule("chores:b", Report.build, "b", every_s=1)
+        occurrence = sched.occurrence_ms
+        assert occurrence is not None
+        wait_until(lambda: client.clock.now_ms() >= occurrence, 5)
+        now_ms = client.clock.now_ms()
+        (row,) = client.store.claim(
+            [sched.task_key], now_ms=now_ms, lease_until_ms=now_ms + 60_000, token="t:1"
+        )
+        assert client.pause_schedule("chores:b")
+        assert client.store.get(sched.task_key).schedule_name == "chores:b"  # type: ignore[union-attr]
+        done = Outcome(
+            row.id, row.key, "t:1", TaskStatus.DONE, now_ms + 5, row.due_at_ms, None,
+            occurrence=Occurrence("chores:b", occurrence, started_ms=now_ms),
+        )  # fmt: skip
+        rearm: list[tuple[str, int]] = []
+        assert client.store.record([done], now_ms + 10, rearm) == 1
+        assert rearm == []  # paused: no next row yet
+        paused = client.get_schedule("chores:b")
+        assert paused is not None and paused.occurrence_ms == occurrence + 1000
+        assert client.resume_schedule("chores:b")
+        after = client.store.get(sched.task_key)
+        assert after is not None and (after.status, after.due_at_ms) == (
+            TaskStatus.PENDING,
+            occurrence + 1000,
+        )
+        assert client.unschedule("chores:b")

@@ -338,7 +338,8 @@ class ClaimQueries(Ledger):
                 count += conn.execute(
                     self._record_one, self._record_params(others, now_ms)
                 ).rowcount
-            for o in advancing:
+            # Schedule rows locked in one order, as every other path does: no deadlock.
+            for o in sorted(advancing, key=lambda o: o.occurrence.schedule if o.occurrence else ""):
                 count += self._record_occurrence(conn, o, now_ms, rearm)
         return count
 

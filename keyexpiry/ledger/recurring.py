@@ -222,7 +222,8 @@ class RecurringQueries(Ledger):
                 .where(S.c.name == wanted.name)
                 .values(occurrence_ms=first_ms, updated_at_ms=now_ms, **_definition_values(wanted))
             )
-            if current.task_key != wanted.task_key:
+            if current.task_key != wanted.task_key or first_ms is None:
+                # Another task, or a definition already ended: the old occurrence goes.
                 self._cancel_occurrence(conn, current, now_ms)
             stored = self._get(conn, wanted.name)
             arm = None
@@ -416,8 +417,14 @@ class RecurringQueries(Ledger):
                 updated_at_ms=now_ms,
             )
         )
+        # Unlinked, but a running one: its retry (or its end) must still see its schedule, so
+        # that a pause moves the schedule on instead of running this occurrence again later.
         conn.execute(
             update(T)
-            .where(T.c.task_key == key, T.c.schedule_name == name)
+            .where(
+                T.c.task_key == key,
+                T.c.schedule_name == name,
+                T.c.status != TaskStatus.RUNNING.value,
+            )
             .values(schedule_name=None)
         )

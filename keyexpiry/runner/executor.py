@@ -306,10 +306,10 @@ class Executor:
         )
         if plan.missed:
             log.info(
-                "schedule {}: {} occurrence(s) missed since {}; catch_up={}: {}",
+                "schedule {}: occurrences missed since {} (at least {}); catch_up={}: {}",
                 sched.name,
-                plan.missed,
                 _iso(sched.occurrence_ms),
+                plan.missed,
                 sched.catch_up,
                 f"this run stands for {_iso(plan.scheduled_for_ms)}" if plan.run else "skipped",
             )

@@ -149,9 +149,11 @@ class Gate:
             return  # a rate's permit was spent at the start: nothing to give back or wait for
         self._give_back(rule.task, [self._candidate(rule, run.token, run.row.key)[0]])
         with self._lock:
-            if self._held.get(rule.task):
+            waiting = bool(self._held.get(rule.task))
+            if waiting:
                 self._retry_at[rule.task] = 0.0
-        self.wake()
+        if waiting:
+            self.wake()
 
     def take_ready(self, room: int) -> list[str]:
         """Held keys whose method may start now (by their wait), oldest first, up to `room`."""
@@ -307,6 +309,12 @@ class Gate:
         try:
             for task, members in holding.items():
                 self._permits.refresh(task, members)
+                # One released meanwhile was just written back: nobody would release it again.
+                with self._lock:
+                    still = self._holding.get(task, set())
+                    gone = [m for m in members if m not in still]
+                if gone:
+                    self._permits.release(task, gone)
             permits.publish_held(
                 self.rt.redis, self.rt.settings.key_prefix, self.rt.owner,
                 self.rt.clock.now_ms(), self.held(),
