@@ -14,7 +14,8 @@ from keyexpiry import Client, Listener, Settings
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.ledger.store import Store, TaskRow, TaskStatus, make_engine
 from keyexpiry.log import _format
-from tests import sample_tasks
+from keyexpiry.registry import Registry
+from tests import flow_tasks, sample_tasks
 
 FAST = {
     "retry_schedule_s": (0.05, 0.05),
@@ -41,8 +42,8 @@ def make_settings(redis_url: str, db_url: str, tmp: Path, **overrides: Any) -> S
 class Running:
     """A listener running on a background thread, stopped at teardown."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.listener = Listener(settings)
+    def __init__(self, settings: Settings, registry: Registry | None = None) -> None:
+        self.listener = Listener(settings, registry)
         self.thread = threading.Thread(target=self.listener.run, daemon=True)
         self.thread.start()
         if not self.listener.subscribed.wait(15):
@@ -102,12 +103,23 @@ def client(settings: Settings) -> Iterator[Client]:
 
 
 @pytest.fixture
+def sampling(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Handlers of `tests.flow_tasks` and `tests.schedule_tasks` sample themselves in the
+    session Redis (runs in any listener process counted together)."""
+    monkeypatch.setenv(flow_tasks.SAMPLE_REDIS_ENV, redis_url)
+    flow_tasks.reset()
+    yield
+    flow_tasks.reset()
+
+
+@pytest.fixture
 def start_listener() -> Iterator[Callable[..., Running]]:
-    """Start listeners on demand (`start_listener(settings)`); all are stopped at teardown."""
+    """Start listeners on demand (`start_listener(settings)`, or with a registry of their
+    own); all are stopped at teardown."""
     started: list[Running] = []
 
-    def start(settings: Settings) -> Running:
-        running = Running(settings)
+    def start(settings: Settings, registry: Registry | None = None) -> Running:
+        running = Running(settings, registry)
         started.append(running)
         return running
 

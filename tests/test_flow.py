@@ -28,15 +28,6 @@ StartListener = Callable[[Settings], Running]
 QUICK = {"heartbeat_s": 0.2, "takeover_after_s": 2.0}
 
 
-@pytest.fixture
-def sampling(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Handlers of `flow_tasks` sample themselves in the session Redis."""
-    monkeypatch.setenv(flow_tasks.SAMPLE_REDIS_ENV, redis_url)
-    flow_tasks.reset()
-    yield
-    flow_tasks.reset()
-
-
 # --- rules, refused at import -------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("options", "message"),

@@ -6,24 +6,24 @@ stay one, changed they move, paused they catch up, removed they stop."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
 
-from keyexpiry import Client, ConfigError, Listener, Settings, exposed, recurring
+from keyexpiry import Client, ConfigError, exposed, recurring
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.ledger.rows import Occurrence, Outcome
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.registry import Registry
 from keyexpiry.schedules import Plan, Recurrence, next_after_run, plan_run
-from tests import flow_tasks, schedule_tasks
+from tests import schedule_tasks
 from tests.ke import Running, make_settings
 from tests.schedule_tasks import Report
 
-StartListener = Callable[[Settings], Running]
+StartListener = Callable[..., Running]
 
 
 def _ms(text: str, zone: str) -> int:
@@ -173,14 +173,6 @@ def test_a_run_that_overlaps_its_next_occurrence_skips_it_or_waits() -> None:
 
 
 # --- on real servers ----------------------------------------------------------------------------
-@pytest.fixture
-def sampling(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv(flow_tasks.SAMPLE_REDIS_ENV, redis_url)
-    flow_tasks.reset()
-    yield
-    flow_tasks.reset()
-
-
 def _runs_of(key: str) -> list[tuple[int, int]]:
     return [(s, st) for k, s, st in schedule_tasks.runs() if k == key]
 
@@ -247,34 +239,17 @@ def test_a_paused_schedule_catches_up_once_on_resume(
 
 @pytest.mark.usefixtures("sampling")
 def test_a_schedule_in_code_is_declared_once_by_two_listeners_and_runs_once_a_second(
-    redis_url: str, db_url: str, tmp_path: Path
+    redis_url: str, db_url: str, tmp_path: Path, start_listener: StartListener
 ) -> None:
     settings = make_settings(redis_url, db_url, tmp_path)
-    listeners = [Listener(settings, schedule_tasks.TICKS) for _ in range(2)]
-    running = []
-    try:
-        for listener in listeners:
-            running.append(_run(listener))
-        with Client(settings, registry=schedule_tasks.TICKS) as client:
-            wait_until(lambda: len(_runs_of("Tick@beat")) >= 3, 15)
-            (sched,) = client.schedules()
-            assert (sched.name, sched.source) == ("Tick.beat", "code")
-            scheduled = [s for s, _ in _runs_of("Tick@beat")]
-            assert len(set(scheduled)) == len(scheduled)
-    finally:
-        for listener in listeners:
-            listener.stop()
-        for thread in running:
-            thread.join(10)
-
-
-def _run(listener: Listener) -> object:
-    import threading
-
-    thread = threading.Thread(target=listener.run, daemon=True)
-    thread.start()
-    assert listener.subscribed.wait(15)
-    return thread
+    start_listener(settings, schedule_tasks.TICKS)
+    start_listener(settings, schedule_tasks.TICKS)
+    with Client(settings, registry=schedule_tasks.TICKS) as client:
+        wait_until(lambda: len(_runs_of("Tick@beat")) >= 3, 15)
+        (sched,) = client.schedules()
+        assert (sched.name, sched.source) == ("Tick.beat", "code")
+        scheduled = [s for s, _ in _runs_of("Tick@beat")]
+        assert len(set(scheduled)) == len(scheduled)
 
 
 @pytest.mark.usefixtures("sampling")
