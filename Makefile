@@ -12,7 +12,9 @@ PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed-stamp
 BENCH_ARGS ?= --runs 3
 
-.PHONY: demo listen web test test-fast lint format servers reliability screenshots bench-peers clean
+SOAK_MINUTES ?= 10
+
+.PHONY: demo listen web test test-fast lint format servers reliability screenshots bench-peers soak clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
@@ -83,6 +85,11 @@ $(PEERS_STAMP): pyproject.toml
 ## bench-peers: steady on keyexpiry, huey and arq side by side (BENCH_ARGS, default --runs 3)
 bench-peers: $(PEERS_STAMP) servers
 	$(PEERS_VENV)/bin/keyexpiry bench --scenario steady $(BENCH_ARGS)
+
+## soak: SOAK_MINUTES (default 10) of 500 tasks/s on Sentinel + MariaDB with a fault every minute;
+## the verdict, history and plots land in bench-results/soak/<time>/
+soak: $(STAMP) servers
+	$(BIN)/keyexpiry bench --scenario soak --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf .venv .venv-python3* $(PEERS_VENV) .mypy_cache .ruff_cache .pytest_cache build

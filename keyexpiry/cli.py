@@ -701,7 +701,16 @@ def listeners(
     share = shares(live)
     for row in rows:
         age_ms = now_ms - row.heartbeat_at_ms
-        state = "silent" if age_ms > silent_ms else "stopping" if row.stopping_at_ms else "live"
+        state = (
+            "silent"
+            if age_ms > silent_ms
+            else "stopping"
+            if row.stopping_at_ms
+            # Announcing no classes: not subscribed to Redis (`Fleet.away`), its peers share.
+            else "away"
+            if row.classes == frozenset()
+            else "live"
+        )
         if as_json:
             data = dataclasses.asdict(row) | {
                 "classes": None if row.classes is None else sorted(row.classes),
@@ -932,7 +941,10 @@ def bench(
         None,
         "--scenario",
         help="steady, sparse, burst, throughput, create, listeners (the default: all six); "
-        "ledger, aio, cluster, memory, flow (only when named).",
+        "ledger, aio, cluster, memory, flow, soak (only when named).",
+    ),
+    minutes: float = typer.Option(
+        10.0, "--minutes", min=0.5, help="soak: minutes of load and faults (--quick: 2)."
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
     backend: str = typer.Option(
@@ -960,9 +972,27 @@ def bench(
     backends = backend.split(",")
     if unknown or not set(backends) <= {"mariadb", "postgres", "sqlite"}:
         raise ConfigError(f"unknown scenario/backend: {unknown or backend}")
+    if "soak" in names:
+        _soak(minutes, quick=quick, others=[n for n in names if n != "soak"])
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     run(names, runs=runs, backend=backend, quick=quick, out=out, peers=peers)
     typer.echo(f"figures written to {out}")
+
+
+def _soak(minutes: float, *, quick: bool, others: list[str]) -> None:
+    """`bench --scenario soak`: its own servers (Sentinel, HAProxy, MariaDB), its own report."""
+    from keyexpiry.bench import soak
+
+    if others:
+        raise ConfigError(f"soak runs alone, not with {', '.join(others)}")
+    cfg = soak.SoakConfig.quick(minutes if minutes != 10.0 else 2.0) if quick else None
+    report = soak.run(cfg or soak.SoakConfig(minutes=minutes), Path("bench-results/soak"))
+    verdict = report["verdict"]
+    typer.echo(soak.summary(report))
+    typer.echo(f"history, soak.json and plots in {report['run_dir']}")
+    if not verdict.get("passed"):
+        raise typer.Exit(1)
 
 
 embedded_app = typer.Typer(help="The embedded redis-server (the default when no Redis URL is set).")

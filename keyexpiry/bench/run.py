@@ -21,7 +21,7 @@ from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
 SCENARIOS = (
     "steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio", "cluster",
-    "memory", "flow",
+    "memory", "flow", "soak",
 )  # fmt: skip
 DEFAULT_SCENARIOS = SCENARIOS[:6]
 """What `keyexpiry bench` runs unnamed: the others start servers of their own (a cluster) or fill

@@ -23,7 +23,8 @@ class ListenerRow:
     heartbeat_at_ms: int
     running: int
     classes: frozenset[str] | None = None
-    """The task classes it registers (None: a listener of a keyexpiry without partitioning)."""
+    """The task classes it registers (None: a listener of a keyexpiry without partitioning; empty:
+    it hears nothing from Redis now, and its peers share its keys)."""
     stopping_at_ms: int | None = None
     """When it began a graceful stop (its peers then take its share of the keys)."""
 

@@ -75,6 +75,7 @@ class Listener:
             self.reconciler,
             running=lambda: self.dispatcher.inflight.count,
             submit=self.dispatcher.submit,
+            hearing=lambda: self.health.subscribed.is_set(),
         )
         self._fleet_stop = threading.Event()
         # Looked up at call time (lambdas), so a test or a subclass may wrap these methods.
@@ -254,6 +255,7 @@ class Listener:
             "problem": self.problem,
             "events": self.events,
             "gaps": self.gaps,
+            "away": self.fleet.away,
             "evicted": self.evicted,
             "done": self.dispatcher.stats.done,
             "thread_errors": self.thread_errors.count,

@@ -13,6 +13,7 @@ from typing import Any
 import redis
 from loguru import logger
 
+from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import RedisConfigError
 from keyexpiry.keys import evicted_channel, expired_channel, wake_channel
 from keyexpiry.listener.health import Health
@@ -32,6 +33,14 @@ CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 _MAX_MESSAGES_PER_STEP = 5000
 _MESSAGE_TYPES = ("message", "smessage")
 """Published messages: `smessage` is the wake channel's on a cluster (sharded pub/sub)."""
+PROBE_IDLE_S = 1.0
+"""After this long without a message the subscription is asked a PING."""
+PROBE_PATIENCE_S = 3.0
+"""A PING unanswered for this long means the connection is dead though TCP says nothing (a
+stalled network or proxy, a frozen server): the subscription is rebuilt. Redis answers a PING
+in microseconds; only a command blocking the server this long would trip it falsely, which
+costs a reconnect and a reconciliation, nothing else."""
+_PROBE = b"keyexpiry-probe"
 
 
 class Rebuild(redis.ConnectionError):
@@ -76,6 +85,8 @@ class Subscription:
         self._evicted_bytes = self.evicted_channel.encode()
         self._wake_bytes = self.wake_channel.encode()
         self._pubsub: Any = None
+        self._heard_s = 0.0
+        self._probe_sent_s: float | None = None
         self._gap = threading.Event()
         self._retry_now = threading.Event()
         self._switched = False
@@ -188,6 +199,7 @@ class Subscription:
         if self._sentinel:
             self.node = (str(pubsub.connection.host), int(pubsub.connection.port))
         self._retry_now.clear()
+        self._heard_s, self._probe_sent_s = monotonic_s(), None
         health.subscribed.set()
         health.arm_sentinels(fresh=False)
         reason = "reconnect" if self.connected_once else "start-up"
@@ -222,10 +234,28 @@ class Subscription:
         pubsub = self._pubsub
         msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
         if msg is None:
+            self._probe(pubsub)
             return 0
+        self._heard_s, self._probe_sent_s = monotonic_s(), None
         if msg.get("type") in _MESSAGE_TYPES:
             self._dispatch(msg["channel"], msg["data"])
         return 1 + self._drain(pubsub)
+
+    def _probe(self, pubsub: Any) -> None:
+        """Ask a silent connection a PING; raise when one goes unanswered too long.
+
+        TCP reports nothing while a network or a proxy in between is stalled, and the
+        listener would count itself subscribed, keeping its share of the keys, for as long as
+        the stall lasts (found by the soak). Any message read counts as an answer."""
+        now_s = monotonic_s()
+        if self._probe_sent_s is not None:
+            if now_s - self._probe_sent_s >= PROBE_PATIENCE_S:
+                raise redis.TimeoutError(
+                    f"the subscription did not answer a PING within {PROBE_PATIENCE_S:g} s"
+                )
+        elif now_s - self._heard_s >= PROBE_IDLE_S:
+            pubsub.ping(_PROBE)
+            self._probe_sent_s = now_s
 
     def _check_gaps(self) -> None:
         """Raise Rebuild when health wants the subscription rebuilt; after a silent reconnect

@@ -14,7 +14,7 @@ import pytest
 from loguru import logger
 
 from keyexpiry import Client, Settings, TaskRequest
-from keyexpiry.bench.servers import wait_until
+from keyexpiry.bench.servers import HAProxy, wait_until
 from keyexpiry.errors import RedisUnavailableError
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.ops.doctor import run_checks
@@ -119,6 +119,66 @@ def test_redis_busy_in_debug_sleep_across_due_times(
         sleeper.close()
         verdict.check(c, keys, since_ms=c.clock.now_ms())
         assert running.thread.is_alive()
+
+
+def test_a_listener_cut_off_from_redis_hands_its_share_to_its_peer(
+    redis_factory: RedisFactory,
+    mysql_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+    log_lines: list[str],
+) -> None:
+    """Found by the soak: a listener whose network to Redis stalls (TCP open, nothing flows)
+    but whose ledger answers kept its share of the keys, so its share of the due tasks waited
+    for the stall to end. It must notice the silence (an unanswered PING), announce no
+    classes, and its peer must run that share meanwhile."""
+    server = redis_factory()
+    proxy = HAProxy(tmp_path / "haproxy", servers=[("redis", server.port)], check="redis-master")
+    proxy.start()
+    try:
+        proxy.wait_up()
+        direct = start_listener(make_settings(server.url(), mysql_url, tmp_path))
+        cut = start_listener(make_settings(proxy.redis_url(), mysql_url, tmp_path))
+        wait_until(
+            lambda: (
+                direct.listener.fleet.partition.peers == 1
+                and cut.listener.fleet.partition.peers == 1
+            ),
+            10,
+            message="the two listeners never shared the keys",
+        )
+        with Client(make_settings(server.url(), mysql_url, tmp_path)) as c:
+            stall_s = 16.0
+            proxy.pause()
+            stalled_at = time.monotonic()
+            keys = c.create_many(
+                TaskRequest("Probe.record", (f"cut{i}",), ttl_ms=500 + 200 * i) for i in range(60)
+            )
+            # Every task (the last due 12.3 s in) has run 2 s before the stall ends, though
+            # half of them were the cut listener's share when the stall began.
+            last_due_ms = max(r.due_at_ms for r in c.store.get_many(keys).values())
+            wait_until(
+                lambda: _all_done(c, keys),
+                max(0.1, stall_s - 2 - (time.monotonic() - stalled_at)),
+                message="the cut listener's share waited for the stall to end",
+            )
+            assert last_due_ms < c.clock.now_ms()
+            assert cut.listener.fleet.away
+            assert cut.listener.status()["away"] is True
+            proxy.resume()
+            verdict.check(c, keys, fault_at_ms=c.clock.now_ms())
+            wait_until(lambda: not cut.listener.fleet.away, 20, message="it never came back")
+            assert cut.listener.subscribed.is_set()
+            later = c.create_many(
+                TaskRequest("Probe.record", (f"back{i}",), ttl_ms=300 + 50 * i) for i in range(20)
+            )
+            verdict.check(c, later)
+    finally:
+        proxy.resume()
+        proxy.stop()
+    assert any("did not answer a PING" in line for line in log_lines), log_lines[-20:]
+    assert any("peers take this listener's share" in line for line in log_lines)
 
 
 def test_master_demoted_to_replica_while_tasks_are_due(

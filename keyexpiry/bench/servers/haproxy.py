@@ -1,6 +1,8 @@
 """An `haproxy` child process in front of MySQL servers: one takes the connections, the others
 are backups, as a Galera cluster is usually fronted (a single writer, no certification
-conflicts between nodes).
+conflicts between nodes). With `check="redis-master"` it fronts Redis servers instead and sends
+connections to whichever answers `role:master` (the usual HAProxy set-up before a Sentinel group,
+for clients that do not speak Sentinel).
 
 The configuration is generated in the caller's work dir: TCP mode on a free loopback port,
 `option mysql-check` logging in as a password-less user (a plain TCP check would count as an
@@ -18,6 +20,7 @@ import io
 import socket
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from keyexpiry.bench.servers.process import (
     LOOPBACK,
@@ -44,7 +47,8 @@ class HAProxy(_ServerProcess):
         workdir: Path,
         *,
         servers: Sequence[tuple[str, int]],
-        check_user: str,
+        check_user: str = "",
+        check: Literal["mysql", "redis-master"] = "mysql",
         inter_ms: int = 300,
         fall: int = 2,
         rise: int = 1,
@@ -55,6 +59,7 @@ class HAProxy(_ServerProcess):
             raise ValueError("haproxy needs at least one server")
         self.servers = list(servers)
         self.check_user = check_user
+        self.check = check
         self.inter_ms = inter_ms
         self.fall = fall
         self.rise = rise
@@ -70,6 +75,10 @@ class HAProxy(_ServerProcess):
     def url(self, db: str) -> str:
         """SQLAlchemy URL `mysql+pymysql://root@127.0.0.1:PORT/db` through the proxy."""
         return f"mysql+pymysql://root@{LOOPBACK}:{self._port}/{db}"
+
+    def redis_url(self, db: int = 0) -> str:
+        """`redis://127.0.0.1:PORT/db` through the proxy (with `check="redis-master"`)."""
+        return f"redis://{LOOPBACK}:{self._port}/{db}"
 
     def config(self) -> str:
         """The generated `haproxy.cfg`."""
@@ -91,14 +100,30 @@ class HAProxy(_ServerProcess):
             "",
             f"listen {BACKEND}",
             f"    bind {LOOPBACK}:{self._port}",
-            f"    option mysql-check user {self.check_user} post-41",
+            *self._check_lines(),
             f"    default-server inter {self.inter_ms} fall {self.fall} rise {self.rise}"
             " on-marked-down shutdown-sessions on-marked-up shutdown-backup-sessions",
         ]
         for i, (name, port) in enumerate(self.servers):
-            backup = " backup" if i else ""
+            # Redis: only the master passes the check, so no server needs to be a backup.
+            backup = " backup" if i and self.check == "mysql" else ""
             lines.append(f"    server {name} {LOOPBACK}:{port} check{backup}")
         return "\n".join(lines) + "\n"
+
+    def _check_lines(self) -> list[str]:
+        if self.check == "mysql":
+            return [f"    option mysql-check user {self.check_user} post-41"]
+        # A replica answers PING too: only `role:master` in INFO replication passes.
+        return [
+            "    option tcp-check",
+            "    tcp-check connect",
+            "    tcp-check send PING\\r\\n",
+            "    tcp-check expect string +PONG",
+            "    tcp-check send info\\ replication\\r\\n",
+            "    tcp-check expect string role:master",
+            "    tcp-check send QUIT\\r\\n",
+            "    tcp-check expect string +OK",
+        ]
 
     def states(self) -> dict[str, str]:
         """Each server's status as HAProxy holds it (`UP`, `DOWN`, `UP 1/2`…), by name."""

@@ -1,0 +1,815 @@
+"""`bench --scenario soak`: steady load for minutes, a fault every minute, a verdict from history.
+
+The set-up a production fleet has: Redis behind Sentinel (master, replica, three sentinels),
+MariaDB, three listener processes that a supervisor restarts when they die (as systemd's
+`Restart=always` would). Two listeners speak Sentinel; the third reaches Redis through HAProxy
+(a `role:master` check), as clients that do not speak Sentinel do, which is also where the
+network stall is made: SIGSTOP of that HAProxy.
+
+A producer thread creates a steady stream (plain batches, tagged tasks, tasks created in a
+transaction), reschedules and cancels some of them, and writes what it did to
+`produced.jsonl` once each call returned. Handlers write each start and end to `runs-*.jsonl`
+(`soak_tasks`). Faults run one a minute in rotation and are written to `faults.jsonl` with their
+start and end; every 10 s each listener's RSS, descriptors, threads and connections, Redis's
+memory and the ledger's rows are written to `samples.jsonl`. `soak_verdict` reads only these
+files (and nothing from the listeners' logs) to decide every task's fate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import psutil
+import redis
+import sqlalchemy as sa
+from redis.sentinel import Sentinel
+
+from keyexpiry import Client, Settings, TaskRequest
+from keyexpiry.bench.harness import machine, redis_server_binary
+from keyexpiry.bench.servers import LOOPBACK, HAProxy, MariaDBServer, free_port, wait_until
+from keyexpiry.bench.servers.sentinel import SentinelGroup
+from keyexpiry.bench.soak_tasks import HISTORY_DIR_ENV, Soak, kind
+from keyexpiry.errors import RedisUnavailableError, StoreError
+
+FAULTS = (
+    "kill9", "sigstop", "failover", "pubsub_kill", "mariadb_restart", "flushall", "stall",
+)  # fmt: skip
+"""The rotation, one fault per slot; FLUSHALL happens once per run, later turns skip it."""
+RETRY_SCHEDULE_S = (0.5, 1.0)
+"""Two retries: a dead-by-design task starts three times."""
+
+
+@dataclass
+class SoakConfig:
+    """What a soak run does; `quick()` is the two-minute version."""
+
+    minutes: float = 10.0
+    rate_per_s: int = 500
+    max_due_s: float = 300.0
+    min_due_s: float = 0.1
+    fault_every_s: float = 60.0
+    warm_up_s: float = 120.0
+    sample_every_s: float = 10.0
+    listeners: int = 3
+    concurrency: int = 16
+    retain_done_s: float = 60.0
+    prune_every_s: float = 10.0
+    settle_s: float = 10.0
+    sigstop_s: float = 20.0
+    """How long the SIGSTOP fault freezes a listener."""
+    stall_s: float = 10.0
+    """How long the network stall (HAProxy stopped) lasts."""
+    seed: int = 1
+    faults: tuple[str, ...] = FAULTS
+
+    @classmethod
+    def quick(cls, minutes: float = 2.0) -> SoakConfig:
+        """Two minutes, due at most 30 s ahead, a fault every 15 s (the whole rotation)."""
+        return cls(minutes=minutes, max_due_s=30.0, fault_every_s=15.0, warm_up_s=30.0)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _Lines:
+    """A JSON-lines file written from several threads."""
+
+    def __init__(self, path: Path) -> None:
+        self._out: TextIO = path.open("a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, line: dict[str, Any]) -> None:
+        with self._lock:
+            self._out.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._out.close()
+
+
+@dataclass
+class _Slot:
+    """One supervised listener: its current process and its log."""
+
+    index: int
+    redis_url: str
+    log: Path
+    http_port: int
+    proc: subprocess.Popen[bytes] | None = None
+    started_ms: int = 0
+    frozen: bool = False
+
+
+class Fleet:
+    """The listener processes, restarted by a supervisor thread whenever one exits."""
+
+    def __init__(self, run_dir: Path, db_url: str, redis_urls: list[str], cfg: SoakConfig) -> None:
+        self.run_dir, self.db_url, self.cfg = run_dir, db_url, cfg
+        self.slots = [
+            _Slot(i, url, run_dir / f"listener-{i}.log", free_port())
+            for i, url in enumerate(redis_urls)
+        ]
+        self.incarnations = _Lines(run_dir / "listeners.jsonl")
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+
+    def env(self, slot: _Slot) -> dict[str, str]:
+        """The listener's settings: production defaults but short retention and retries."""
+        cfg = self.cfg
+        return {
+            **os.environ,
+            HISTORY_DIR_ENV: str(self.run_dir),
+            "KEYEXPIRY_TASKS": "keyexpiry.bench.soak_tasks",
+            "KEYEXPIRY_REDIS_URL": slot.redis_url,
+            "KEYEXPIRY_DATABASE_URL": self.db_url,
+            "KEYEXPIRY_CONCURRENCY": str(cfg.concurrency),
+            "KEYEXPIRY_RETRY_SCHEDULE_S": ",".join(map(str, RETRY_SCHEDULE_S)),
+            "KEYEXPIRY_RETAIN_DONE_S": str(cfg.retain_done_s),
+            "KEYEXPIRY_RETAIN_DEAD_S": str(cfg.retain_done_s),
+            "KEYEXPIRY_PRUNE_EVERY_S": str(cfg.prune_every_s),
+            "KEYEXPIRY_LOG_LEVEL": "WARNING",
+            # /readyz says when a restarted or resumed listener runs tasks again.
+            "KEYEXPIRY_HTTP": f"{LOOPBACK}:{slot.http_port}",
+        }
+
+    def start(self) -> None:
+        """Start every listener, then the supervisor."""
+        for slot in self.slots:
+            self._spawn(slot)
+        self._thread.start()
+
+    def _spawn(self, slot: _Slot) -> None:
+        with slot.log.open("ab") as out:
+            slot.proc = subprocess.Popen(
+                [sys.executable, "-m", "keyexpiry", "listen"],
+                env=self.env(slot),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        slot.started_ms = _now_ms()
+        self.incarnations.write(
+            {"slot": slot.index, "pid": slot.proc.pid, "started_ms": slot.started_ms}
+        )
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.1):
+            with self._lock:
+                for slot in self.slots:
+                    if slot.proc is not None and slot.proc.poll() is not None:
+                        self.incarnations.write(
+                            {
+                                "slot": slot.index,
+                                "pid": slot.proc.pid,
+                                "ended_ms": _now_ms(),
+                                "returncode": slot.proc.returncode,
+                            }
+                        )
+                        self._spawn(slot)
+
+    def signal(self, index: int, signum: int) -> int:
+        """Send `signum` to slot `index`'s process group; its pid."""
+        with self._lock:
+            proc = self.slots[index].proc
+            assert proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
+            return proc.pid
+
+    def ready(self) -> bool:
+        """Whether every listener's /readyz answers 200 (subscribed, events arriving, ledger
+        answering)."""
+        for slot in self.slots:
+            try:
+                url = f"http://{LOOPBACK}:{slot.http_port}/readyz"
+                with urllib.request.urlopen(url, timeout=1.0) as answer:
+                    if answer.status != 200:
+                        return False
+            except OSError:
+                return False
+        return True
+
+    def pids(self) -> list[tuple[_Slot, int]]:
+        """(slot, pid) of each listener process now."""
+        with self._lock:
+            return [(s, s.proc.pid) for s in self.slots if s.proc is not None]
+
+    def stop(self) -> None:
+        """Stop the supervisor, then SIGTERM every listener (SIGKILL after 30 s)."""
+        self._stop.set()
+        self._thread.join()
+        for slot in self.slots:
+            if slot.proc is None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(slot.proc.pid, signal.SIGCONT)
+                os.killpg(slot.proc.pid, signal.SIGTERM)
+            try:
+                slot.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(slot.proc.pid, signal.SIGKILL)
+                slot.proc.wait()
+        self.incarnations.close()
+
+
+@dataclass
+class _Recent:
+    """A task the producer may still reschedule or cancel."""
+
+    i: int
+    due_ms: int
+    tag: str | None
+
+
+@dataclass
+class Producer:
+    """Creates `rate_per_s` tasks a second in 100 ms ticks; reschedules, cancels, cancels tags."""
+
+    ke: Client
+    cfg: SoakConfig
+    out: _Lines
+    stop_at: float
+    rng: random.Random = field(default_factory=random.Random)
+    next_id: int = 0
+    errors: int = 0
+    created: int = 0
+    _recent: deque[_Recent] = field(default_factory=lambda: deque(maxlen=20_000))
+    _tags: dict[str, list[int]] = field(default_factory=dict)
+    _tag_due_ms: dict[str, int] = field(default_factory=dict)
+
+    TICK_S = 0.1
+    MARGIN_MS = 2000
+    """Only tasks due at least this far ahead are rescheduled or cancelled (and moved at least
+    this far): a reschedule never races the run it replaces (GUARANTEES window 3)."""
+
+    def run(self, stop: threading.Event) -> None:
+        """Tick until `stop_at` (monotonic) or `stop`."""
+        tick = 0
+        next_at = time.monotonic()
+        while not stop.is_set() and time.monotonic() < self.stop_at:
+            self._tick(tick)
+            tick += 1
+            next_at += self.TICK_S
+            stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def _due_s(self) -> float:
+        # Log-uniform between min and max: most tasks due within seconds, a few minutes ahead.
+        lo, hi = math.log(self.cfg.min_due_s), math.log(self.cfg.max_due_s)
+        return math.exp(self.rng.uniform(lo, hi))
+
+    def _tick(self, tick: int) -> None:
+        n = max(1, round(self.cfg.rate_per_s * self.TICK_S))
+        tagged = max(1, n // 10)
+        in_tx = max(1, n // 10)
+        plain = n - tagged - in_tx
+        self._create([self._request(None) for _ in range(plain)], "plain")
+        tag = f"soak:{tick}"
+        self._create([self._request(tag) for _ in range(tagged)], "tag")
+        self._create([self._request(None) for _ in range(in_tx)], "tx")
+        for _ in range(max(1, n // 50)):
+            self._reschedule()
+        for _ in range(max(1, n // 100)):
+            self._cancel()
+        if tick % 20 == 10:
+            self._cancel_tag()
+
+    def _request(self, tag: str | None) -> tuple[int, TaskRequest]:
+        i = self.next_id
+        self.next_id += 1
+        return i, TaskRequest(Soak.run, (i,), ttl_ms=max(1, int(self._due_s() * 1000)), tag=tag)
+
+    def _retrying(self, what: str, fn: Callable[[], Any]) -> tuple[Any, int]:
+        """Call `fn` until it returns (a real producer retries: a repeated create is safe);
+        return its value and how many calls failed."""
+        failed = 0
+        while True:
+            try:
+                return fn(), failed
+            except Exception as exc:  # any outage: retry as a producer would
+                failed += 1
+                self.errors += 1
+                if failed in (1, 10, 100):
+                    print(f"  producer: {what} failed ({failed}x): {exc!r:.200}", flush=True)
+                time.sleep(0.2)
+
+    def _create(self, batch: list[tuple[int, TaskRequest]], via: str) -> None:
+        requests = [r for _, r in batch]
+        ambiguous = False
+
+        def create() -> list[int]:
+            nonlocal ambiguous
+            try:
+                if via != "tx":
+                    return [s.due_at_ms for s in self.ke.create_many(requests)]
+                with self.ke.store.engine.begin() as conn:
+                    return [s.due_at_ms for s in self.ke.create_many(requests, tx=conn)]
+            except RedisUnavailableError:
+                # Recorded, its key not set: reconciliation arms it. Creating it again could
+                # run it twice (GUARANTEES window 3), so read the due times back instead.
+                rows = self.ke.store.get_many(
+                    [self.ke.key_for(r.target, *r.args) for r in requests]
+                )
+                return [rows[self.ke.key_for(r.target, *r.args)].due_at_ms for r in requests]
+            except StoreError as exc:
+                # May have committed: creating it again is the documented retry, and a run in
+                # between runs again (window 3). The verdict is told.
+                ambiguous = ambiguous or exc.maybe_applied
+                raise
+
+        dues, _ = self._retrying(f"create ({via})", create)
+        now = _now_ms()
+        for (i, req), due in zip(batch, dues, strict=True):
+            line = {"op": "create", "t_ms": now, "i": i, "due_ms": int(due), "kind": kind(i)}
+            self.out.write({**line, "via": via, **({"ambiguous": True} if ambiguous else {})})
+            self._recent.append(_Recent(i, int(due), req.tag))
+            if req.tag is not None:
+                self._tags.setdefault(req.tag, []).append(i)
+                self._tag_due_ms[req.tag] = min(self._tag_due_ms.get(req.tag, due), int(due))
+        self.created += len(batch)
+
+    def _pick(self) -> _Recent | None:
+        now = _now_ms()
+        for _ in range(5):
+            if not self._recent:
+                return None
+            t = self._recent[self.rng.randrange(len(self._recent))]
+            if t.tag is None and t.due_ms - now >= self.MARGIN_MS:
+                return t
+        return None
+
+    def _reschedule(self) -> None:
+        t = self._pick()
+        if t is None:
+            return
+        ttl_ms = self.MARGIN_MS + int(self._due_s() * 1000)
+        done, _ = self._retrying("reschedule", lambda: self.ke.create(Soak.run, t.i, ttl_ms=ttl_ms))
+        t.due_ms = int(done.due_at_ms)
+        self.out.write({"op": "reschedule", "t_ms": _now_ms(), "i": t.i, "due_ms": t.due_ms})
+
+    def _cancel(self) -> None:
+        t = self._pick()
+        if t is None:
+            return
+        t_ms = _now_ms()
+        ok, failed = self._retrying("cancel", lambda: self.ke.cancel(Soak.run, t.i))
+        t.due_ms = 0  # never picked again
+        if failed:
+            # An earlier call may have cancelled it with its answer lost: say so.
+            self.out.write({"op": "cancel_tag", "t_ms": t_ms, "ids": [t.i], "cancelled": -1})
+        else:
+            self.out.write({"op": "cancel", "t_ms": t_ms, "i": t.i, "ok": bool(ok)})
+
+    def _cancel_tag(self) -> None:
+        now = _now_ms()
+        ready = [g for g, due in self._tag_due_ms.items() if due - now >= self.MARGIN_MS]
+        if not ready:
+            return
+        tag = self.rng.choice(ready)
+        ids = self._tags.pop(tag)
+        del self._tag_due_ms[tag]
+        cancelled, _ = self._retrying("cancel_tag", lambda: self.ke.cancel_tag(tag))
+        self.out.write({"op": "cancel_tag", "t_ms": now, "ids": ids, "cancelled": cancelled})
+        for t in self._recent:
+            if t.tag == tag:
+                t.due_ms = 0
+
+    def forget_old_tags(self) -> None:
+        """Tags all due are no use to `_cancel_tag`: drop them (bounded memory)."""
+        now = _now_ms()
+        for tag in [g for g, due in self._tag_due_ms.items() if due - now < self.MARGIN_MS]:
+            del self._tag_due_ms[tag]
+            self._tags.pop(tag, None)
+
+
+class SoakRun:
+    """One run: servers, fleet, producer, faults and sampler, then the verdict."""
+
+    def __init__(self, cfg: SoakConfig, run_dir: Path, say: Callable[[str], None]) -> None:
+        self.cfg, self.run_dir, self.say = cfg, run_dir, say
+        run_dir.mkdir(parents=True, exist_ok=True)
+        work = run_dir / "servers"
+        binary = redis_server_binary()
+        self.group = SentinelGroup(work / "redis", binary=binary)
+        self.maria = MariaDBServer(work / "mariadb")
+        self.haproxy: HAProxy | None = None
+        self.faults = _Lines(run_dir / "faults.jsonl")
+        self.samples = _Lines(run_dir / "samples.jsonl")
+        self.stop = threading.Event()
+        self.flushed = False
+        self.fault_log: list[dict[str, Any]] = []
+        self.fleet: Fleet | None = None
+
+    # -- servers ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def servers(self) -> Iterator[tuple[list[str], str]]:
+        """The Sentinel group, HAProxy before its two data nodes, MariaDB; yields the
+        listeners' Redis URLs and the ledger URL."""
+        self.group.start()
+        try:
+            self.haproxy = HAProxy(
+                self.run_dir / "servers" / "haproxy",
+                servers=[(f"node{i}", n.port) for i, n in enumerate(self.group.nodes)],
+                check="redis-master",
+                inter_ms=300,
+            )
+            self.haproxy.start()
+            self.haproxy.wait_up(["node0"])
+            self.maria.start()
+            db_url = self.maria.create_database("soak")
+            urls = [self.group.url()] * (self.cfg.listeners - 1) + [self.haproxy.redis_url()]
+            yield urls, db_url
+        finally:
+            for stop in (self.maria.stop, self.group.stop):
+                with contextlib.suppress(Exception):
+                    stop()
+            if self.haproxy is not None:
+                with contextlib.suppress(Exception):
+                    self.haproxy.stop()
+
+    def master(self) -> redis.Redis:
+        """A client of the master as the sentinels name it now (short timeouts)."""
+        hosts = [(LOOPBACK, s.port) for s in self.group.sentinels]
+        sentinel = Sentinel(hosts, socket_timeout=1.0, socket_connect_timeout=1.0)  # type: ignore[no-untyped-call]
+        client: redis.Redis = sentinel.master_for(self.group.service, socket_timeout=2.0)  # type: ignore[no-untyped-call]
+        return client
+
+    def wait_fleet(self, cap_s: float = 60.0) -> bool:
+        """Until every listener says it is ready again (False at the cap)."""
+        assert self.fleet is not None
+        fleet = self.fleet
+        try:
+            wait_until(fleet.ready, cap_s, interval_s=0.1, message="listeners not all ready")
+        except Exception:  # a slow recovery is a finding, not a crash
+            return False
+        return True
+
+    # -- the run ------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Run the whole soak; returns the report (also written as `soak.json`)."""
+        cfg = self.cfg
+        with self.servers() as (urls, db_url):
+            fleet = self.fleet = Fleet(self.run_dir, db_url, urls, cfg)
+            settings = Settings(redis_url=self.group.url(), database_url=db_url, sentinel_count=0)
+            ke = Client(settings)
+            try:
+                fleet.start()
+                if not self.wait_fleet(90):
+                    raise RuntimeError("the listeners never all became ready")
+                return self._measure(fleet, ke)
+            finally:
+                self.stop.set()
+                fleet.stop()
+                ke.close()
+                self.faults.close()
+                self.samples.close()
+
+    def _measure(self, fleet: Fleet, ke: Client) -> dict[str, Any]:
+        cfg = self.cfg
+        produce_s = cfg.minutes * 60
+        start_ms, t0 = _now_ms(), time.monotonic()
+        produced = _Lines(self.run_dir / "produced.jsonl")
+        producer = Producer(ke, cfg, produced, t0 + produce_s, random.Random(cfg.seed))
+        threads = [
+            threading.Thread(target=producer.run, args=(self.stop,), name="producer"),
+            threading.Thread(target=self._sample_loop, args=(fleet, ke), name="sampler"),
+            threading.Thread(target=self._fault_loop, args=(fleet, t0, produce_s), name="faults"),
+        ]
+        for t in threads:
+            t.start()
+        self.say(
+            f"soak: {cfg.minutes:g} min of {cfg.rate_per_s} tasks/s, a fault every "
+            f"{cfg.fault_every_s:g} s, output in {self.run_dir}"
+        )
+        while time.monotonic() < t0 + produce_s and not self.stop.is_set():
+            time.sleep(min(10.0, max(0.0, t0 + produce_s - time.monotonic())))
+            producer.forget_old_tags()
+            self.say(
+                f"  {int(time.monotonic() - t0)} s: {producer.created} created, "
+                f"{producer.errors} producer errors"
+            )
+        threads[0].join()
+        threads[2].join()
+        produce_end_ms = _now_ms()
+        drained = self._drain(ke, cap_s=cfg.max_due_s + 120)
+        self.stop.set()
+        threads[1].join()
+        produced.close()
+        end_ms = _now_ms()
+        params = {
+            "start_ms": start_ms,
+            "produce_end_ms": produce_end_ms,
+            "end_ms": end_ms,
+            "warm_up_s": cfg.warm_up_s,
+            "max_due_s": cfg.max_due_s,
+            "max_attempts": len(RETRY_SCHEDULE_S) + 1,
+            "settle_s": cfg.settle_s,
+            "growth_limit": 0.10,
+            "retain_done_s": cfg.retain_done_s,
+            "prune_every_s": cfg.prune_every_s,
+            "rate_per_s": cfg.rate_per_s,
+        }
+        return {
+            "config": asdict(cfg),
+            "params": params,
+            "drained": drained,
+            "created": producer.created,
+            "producer_errors": producer.errors,
+            "faults": self.fault_log,
+        }
+
+    def _drain(self, ke: Client, cap_s: float) -> bool:
+        """Until no task is pending or running (every due one ran), or `cap_s`."""
+        self.say("  draining: waiting for every task still due to run")
+        deadline = time.monotonic() + cap_s
+        while time.monotonic() < deadline:
+            rows = self._rows(ke)
+            if rows is not None and rows.get("pending", 0) + rows.get("running", 0) == 0:
+                return True
+            time.sleep(1.0)
+        return False
+
+    # -- sampling -----------------------------------------------------------------------
+
+    def _rows(self, ke: Client) -> dict[str, int] | None:
+        try:
+            with ke.store.engine.connect() as conn:
+                got = conn.execute(
+                    sa.text("SELECT status, COUNT(*) FROM time_limit_task GROUP BY status")
+                )
+                return {str(s): int(n) for s, n in got}
+        except sa.exc.SQLAlchemyError:
+            return None
+
+    def _ports(self) -> tuple[set[int], set[int]]:
+        redis_ports = {n.port for n in self.group.nodes} | {s.port for s in self.group.sentinels}
+        if self.haproxy is not None:
+            redis_ports.add(self.haproxy.port)
+        return redis_ports, {self.maria.port}
+
+    def _sample_loop(self, fleet: Fleet, ke: Client) -> None:
+        while not self.stop.wait(self.cfg.sample_every_s):
+            self.samples.write(self._sample(fleet, ke))
+
+    def _sample(self, fleet: Fleet, ke: Client) -> dict[str, Any]:
+        redis_ports, ledger_ports = self._ports()
+        listeners = []
+        for slot, pid in fleet.pids():
+            try:
+                p = psutil.Process(pid)
+                with p.oneshot():
+                    conns = p.net_connections(kind="tcp")
+                    remote = [c.raddr.port for c in conns if c.raddr]
+                    cpu = p.cpu_times()
+                    listeners.append(
+                        {
+                            "slot": slot.index,
+                            "pid": pid,
+                            "started_ms": slot.started_ms,
+                            "rss_mb": round(p.memory_info().rss / 2**20, 2),
+                            "fds": p.num_fds(),
+                            "threads": p.num_threads(),
+                            "ledger_conns": sum(1 for r in remote if r in ledger_ports),
+                            "redis_conns": sum(1 for r in remote if r in redis_ports),
+                            "cpu_s": round(cpu.user + cpu.system, 2),
+                        }
+                    )
+            except psutil.Error:
+                continue
+        used: int | None = None
+        try:
+            client = self.master()
+            try:
+                used = int(client.info("memory")["used_memory"])
+            finally:
+                client.close()
+        except redis.RedisError:
+            pass
+        return {
+            "t_ms": _now_ms(),
+            "listeners": listeners,
+            "redis_used_bytes": used,
+            "ledger_rows": self._rows(ke),
+        }
+
+    # -- faults -------------------------------------------------------------------------
+
+    def _fault_loop(self, fleet: Fleet, t0: float, produce_s: float) -> None:
+        turn = 0
+        rotation = list(self.cfg.faults)
+        victims = {"kill9": 0, "sigstop": 1}
+        while True:
+            at = t0 + (turn + 1) * self.cfg.fault_every_s
+            if at >= t0 + produce_s - 5 or self.stop.wait(max(0.0, at - time.monotonic())):
+                return
+            name = rotation[turn % len(rotation)]
+            turn += 1
+            if name == "flushall" and self.flushed:
+                continue
+            start = _now_ms()
+            pids: list[int] = []
+            try:
+                detail = self._fault(name, fleet, victims, pids)
+            except Exception as exc:  # the run goes on; the report says so
+                detail = f"fault failed: {exc!r:.300}"
+            end = _now_ms()
+            line: dict[str, Any] = {
+                "fault": name,
+                "start_ms": start,
+                "end_ms": end,
+                "pids": pids,
+                "detail": detail,
+            }
+            self.faults.write(line)
+            self.fault_log.append(line)
+            took = (end - start) / 1000
+            self.say(f"  fault {name}: {detail} ({took:.1f} s)")
+
+    def _fault(self, name: str, fleet: Fleet, victims: dict[str, int], pids: list[int]) -> str:
+        n = self.cfg.listeners
+        if name == "kill9":
+            slot = victims["kill9"] % n
+            victims["kill9"] += 1
+            old = fleet.signal(slot, signal.SIGKILL)
+            pids.append(old)
+            # The dead process's port refuses at once, but wait for its successor anyway.
+            wait_until(
+                lambda: dict((s.index, p) for s, p in fleet.pids())[slot] != old,
+                30,
+                interval_s=0.05,
+                message="listener not restarted",
+            )
+            return f"listener {slot} killed -9 and restarted, {self._ready()}"
+        if name == "sigstop":
+            slot = victims["sigstop"] % n
+            victims["sigstop"] += 1
+            pids.append(fleet.signal(slot, signal.SIGSTOP))
+            time.sleep(self.cfg.sigstop_s)  # the fault's own length
+            fleet.signal(slot, signal.SIGCONT)
+            return f"listener {slot} stopped {self.cfg.sigstop_s:g} s, {self._ready()}"
+        if name == "failover":
+            return self._failover()
+        if name == "pubsub_kill":
+            client = self.master()
+            try:
+                killed = client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")  # type: ignore[no-untyped-call]
+            finally:
+                client.close()
+            return f"{killed} pubsub connections killed, {self._ready()}"
+        if name == "mariadb_restart":
+            self.maria.restart()
+            return f"MariaDB stopped and started, {self._ready()}"
+        if name == "flushall":
+            self.flushed = True
+            client = self.master()
+            try:
+                client.flushall()
+            finally:
+                client.close()
+            return "FLUSHALL on the master; " + self._wait_rearmed()
+        if name == "stall":
+            assert self.haproxy is not None
+            pids.extend(pid for slot, pid in fleet.pids() if slot.index == n - 1)
+            self.haproxy.pause()
+            time.sleep(self.cfg.stall_s)  # the fault's own length
+            self.haproxy.resume()
+            return (
+                f"HAProxy before listener {n - 1} stopped {self.cfg.stall_s:g} s, {self._ready()}"
+            )
+        raise ValueError(f"unknown fault {name}")
+
+    def _ready(self) -> str:
+        # A fault ends when every listener is ready again: that is when it can run tasks.
+        t = time.monotonic()
+        ok = self.wait_fleet()
+        took = time.monotonic() - t
+        return f"all ready {took:.1f} s later" if ok else f"NOT all ready after {took:.0f} s"
+
+    def _failover(self) -> str:
+        old = self.group.master_node()
+        old.kill()
+        wait_until(
+            lambda: self.group.master_address() not in (None, (LOOPBACK, old.port)),
+            60,
+            interval_s=0.1,
+            message="no failover",
+        )
+        new = self.group.master_node()
+        # Back as a replica of the new master, as an operator (or systemd and Sentinel) would.
+        old.restart(
+            args=["--repl-diskless-sync-delay", "0", "--replicaof", LOOPBACK, str(new.port)]
+        )
+        return (
+            f"master :{old.port} killed -9, :{new.port} promoted, old one back as replica, "
+            f"{self._ready()}"
+        )
+
+    def _wait_rearmed(self, cap_s: float = 120.0) -> str:
+        """Until Redis holds a key for at least 90 % of the pending rows again."""
+        deadline = time.monotonic() + cap_s
+        engine = sa.create_engine(self.maria.url("soak"))
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    with engine.connect() as conn:
+                        pending = int(
+                            conn.execute(
+                                sa.text(
+                                    "SELECT COUNT(*) FROM time_limit_task WHERE status='pending'"
+                                )
+                            ).scalar_one()
+                        )
+                    client = self.master()
+                    try:
+                        keys = int(client.dbsize())
+                    finally:
+                        client.close()
+                    if keys >= 0.9 * pending:
+                        return f"keys re-armed ({keys} keys for {pending} pending rows)"
+                except (redis.RedisError, sa.exc.SQLAlchemyError):
+                    pass
+                time.sleep(0.5)
+        finally:
+            engine.dispose()
+        return f"keys NOT re-armed within {cap_s:g} s"
+
+
+def _pct(p: dict[str, Any]) -> str:
+    if not p.get("count"):
+        return "none"
+    return f"p50 {p['p50']} / p99 {p['p99']} / max {p['max']} ms of {p['count']}"
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The verdict in a few lines for the terminal (soak.json holds all of it)."""
+    v = report["verdict"]
+    fates = ", ".join(f"{name} {f['count']}" for name, f in v["fates"].items() if f["count"])
+    late = v["lateness"]
+    lines = [
+        f"soak verdict: {'PASSED' if v['passed'] else 'FAILED'}",
+        f"  created {v['created']} tasks; fates: {fates}; early starts {v['early']['starts']}",
+        f"  lateness outside faults: {_pct(late['outside'])}",
+        f"  lateness inside faults:  {_pct(late['inside'])}",
+    ]
+    lines += [f"    {k:<16} {_pct(p)}" for k, p in late["inside_by_fault"].items()]
+    for f in v["faults"]:
+        lines.append(
+            f"  fault {f['fault']:<16} {(f['end_ms'] - f['start_ms']) / 1000:5.1f} s  {f['detail']}"
+        )
+    grown = [
+        f"{g.get('slot')}/{g['pid']}" for g in v["growth"]["listeners"] if not g.get("passed", True)
+    ]
+    lines.append(f"  listener growth: {'none past the limit' if not grown else ', '.join(grown)}")
+    servers, bound = v["growth"]["servers"], v["ledger_bound"]
+    lines.append(
+        "  Redis memory: "
+        f"{servers['redis_used_bytes'].get('status')}, pending rows: "
+        f"{servers['ledger_pending_rows'].get('status')}, finished rows: "
+        f"{bound.get('max_finished_rows')} (bound {bound.get('bound_rows')})"
+    )
+    tp = v["throughput"]["ok_ends_per_s"]
+    lines.append(f"  steady ok ends/s: min {tp['min']} / median {tp['p50']} / max {tp['max']}")
+    lines += [f"  FAILURE: {line}" for line in v["failures"]]
+    return "\n".join(lines)
+
+
+def run(
+    cfg: SoakConfig, out_dir: Path, *, say: Callable[[str], None] = print, plots: bool = True
+) -> dict[str, Any]:
+    """Run a soak into `out_dir/<timestamp>/`; write `soak.json` (and PNGs); return the report."""
+    from keyexpiry.bench import soak_verdict
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    run_dir = (out_dir / stamp).resolve()
+    report = SoakRun(cfg, run_dir, say).run()
+    report["machine"] = machine()
+    say("  judging the history")
+    history = soak_verdict.load(run_dir)
+    report["verdict"] = soak_verdict.verdict_of(history, report["params"])
+    if plots:
+        from keyexpiry.bench import soak_plots
+
+        paths = soak_plots.plot(run_dir, report["verdict"], history)
+        report["plots"] = [str(p) for p in paths]
+    (run_dir / "soak.json").write_text(json.dumps(report, indent=2, default=str))
+    report["run_dir"] = str(run_dir)
+    return report

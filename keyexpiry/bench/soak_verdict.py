@@ -1,0 +1,926 @@
+"""`bench --scenario soak`: the verdict, computed from the history the soak runner recorded.
+
+Pure logic, no servers: it reads the JSON-lines files the runner wrote in its run directory
+(`produced.jsonl`, `runs-*.jsonl`, `faults.jsonl`, `samples.jsonl`; every time an epoch
+millisecond on one machine) and judges
+
+- each task's fate from its history alone: ran once, dead by design, cancelled, ran twice in a
+  window `docs/GUARANTEES.md` documents ("Where a task may run twice", window 1: a killed or
+  frozen handler) or not, ran after a cancel, lost; and whether any run started early;
+- lateness (first start minus the producer's due), outside and inside fault windows (inside: the
+  task's wait, from its due to its first start, met a fault's window);
+- growth of every listener process (RSS, descriptors, threads, connections), of Redis memory and
+  of the ledger's rows, after the warm-up;
+- throughput per 10 s.
+
+`verdict()` returns a small JSON-serialisable dict (summaries and examples, no per-task arrays);
+`keyexpiry.bench.soak_plots` re-reads the files through `load()` for its per-task series.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import statistics
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EARLY_TOLERANCE_MS = 5
+"""A start more than this before the producer's due is early (clock reads and rounding)."""
+BUCKET_S = 10
+EXAMPLES = 20
+WINDOW1_FAULTS = ("kill9", "sigstop")
+"""Faults that open GUARANTEES window 1 by default (a killed or frozen handler); a run's
+`params["window1_faults"]` overrides it (a `stall` cuts a listener off from the database, which
+GUARANTEES also puts in window 1)."""
+GROWTH_METRICS = ("rss_mb", "fds", "threads", "ledger_conns", "redis_conns")
+INTEGER_METRICS = frozenset({"fds", "threads", "ledger_conns", "redis_conns"})
+MIN_GROWTH_SAMPLES = 6
+END_SAMPLES = 3
+FINISHED_STATUSES = ("done", "dead", "cancelled")
+LEDGER_BOUND_SLACK = 1.25
+
+FATES = (
+    "ran_once",
+    "ran_twice_documented",
+    "ran_twice_undocumented",
+    "ran_after_cancel",
+    "dead_by_design",
+    "dead_short",
+    "dead_ran_ok",
+    "cancelled",
+    "lost",
+    "unfinished",
+)
+FAILED_FATES = frozenset(
+    {"ran_twice_undocumented", "ran_after_cancel", "dead_short", "dead_ran_ok", "lost"}
+)
+
+
+@dataclass(slots=True)
+class Run:
+    """One handler run: its start line and, unless its process died, its end line."""
+
+    start_ms: int
+    attempt: int
+    pid: int
+    seen_due_ms: int | None
+    end_ms: int | None = None
+    result: str | None = None
+
+
+@dataclass(slots=True)
+class Task:
+    """One created task as the producer and the listeners recorded it."""
+
+    i: int
+    kind: str
+    via: str
+    created_ms: int
+    due_ms: int  # as created
+    # (t_ms, due_ms) of each reschedule, oldest first; a tuple: most tasks have none, and
+    # millions of tasks make every empty list count.
+    reschedules: tuple[tuple[int, int], ...] = ()
+    cancels: tuple[tuple[int, bool], ...] = ()
+    tag_cancel_ms: int | None = (
+        None  # the latest cancel_tag naming it (which ones it took is unknown)
+    )
+    runs: list[Run] = field(default_factory=list)
+    ambiguous: bool = False
+    """Its create was retried after a call that may have committed (the ledger's answer was
+    lost): a run between the two is followed by another (GUARANTEES window 3)."""
+
+    def due_at(self, t_ms: int) -> int:
+        """The due the producer had last set at `t_ms` (its first one if none was set yet)."""
+        for set_ms, due_ms in reversed(self.reschedules):
+            if set_ms <= t_ms:
+                return due_ms
+        return self.due_ms
+
+    @property
+    def final_due_ms(self) -> int:
+        """The due the producer set last."""
+        return self.reschedules[-1][1] if self.reschedules else self.due_ms
+
+    @property
+    def cancel_ok_ms(self) -> int | None:
+        """When the first cancel that took effect returned."""
+        return next((t for t, ok in self.cancels if ok), None)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One injected fault."""
+
+    kind: str
+    start_ms: int
+    end_ms: int
+    pids: frozenset[int]
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class TagCancel:
+    """One `cancel_tag` call: the tasks under the tag and how many it cancelled."""
+
+    t_ms: int
+    ids: tuple[int, ...]
+    cancelled: int
+
+
+@dataclass
+class History:
+    """Everything a soak run recorded, joined per task."""
+
+    tasks: dict[int, Task]
+    faults: list[Fault]
+    samples: list[dict[str, Any]]
+    tag_cancels: list[TagCancel]
+    anomalies: Counter[str] = field(default_factory=Counter)
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def _lines(path: Path, anomalies: Counter[str]) -> Iterator[dict[str, Any]]:
+    # A process killed mid-write leaves a torn last line: count it rather than fail the verdict.
+    if not path.exists():
+        return
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                anomalies["unparsable_lines"] += 1
+                continue
+            if isinstance(row, dict):
+                yield row
+
+
+def _read_produced(path: Path, anomalies: Counter[str]) -> tuple[dict[int, Task], list[TagCancel]]:
+    tasks: dict[int, Task] = {}
+    tags: list[TagCancel] = []
+    for row in _lines(path, anomalies):
+        op = row.get("op")
+        if op == "create":
+            i = int(row["i"])
+            tasks[i] = Task(
+                i=i,
+                # Interned: json.loads makes a new string per line, millions of "normal"s.
+                kind=sys.intern(str(row["kind"])),
+                via=sys.intern(str(row.get("via", ""))),
+                created_ms=int(row["t_ms"]),
+                due_ms=int(row["due_ms"]),
+                ambiguous=bool(row.get("ambiguous", False)),
+            )
+        elif op == "cancel_tag":
+            tags.append(TagCancel(int(row["t_ms"]), tuple(map(int, row["ids"])), row["cancelled"]))
+        elif op in ("reschedule", "cancel"):
+            task = tasks.get(int(row["i"]))
+            if task is None:
+                anomalies[f"{op}_of_unknown_task"] += 1
+            elif op == "reschedule":
+                task.reschedules += ((int(row["t_ms"]), int(row["due_ms"])),)
+            else:
+                task.cancels += ((int(row["t_ms"]), bool(row["ok"])),)
+    for tag in tags:
+        for i in tag.ids:
+            task = tasks.get(i)
+            if task is not None:
+                task.tag_cancel_ms = max(task.tag_cancel_ms or tag.t_ms, tag.t_ms)
+    return tasks, tags
+
+
+def _read_runs(run_dir: Path, tasks: dict[int, Task], anomalies: Counter[str]) -> None:
+    for path in sorted(run_dir.glob("runs-*.jsonl")):
+        # Ends are matched to their start by (task, attempt, pid), first in first out.
+        open_runs: dict[tuple[int, int, int], list[Run]] = defaultdict(list)
+        for row in _lines(path, anomalies):
+            i, attempt, pid = int(row["i"]), int(row["attempt"]), int(row["pid"])
+            task = tasks.get(i)
+            if task is None:
+                anomalies["run_of_unknown_task"] += 1
+                continue
+            if row.get("ev") == "start":
+                seen = row.get("due_ms")
+                run = Run(int(row["t_ms"]), attempt, pid, None if seen is None else int(seen))
+                task.runs.append(run)
+                open_runs[(i, attempt, pid)].append(run)
+            elif row.get("ev") == "end":
+                waiting = open_runs.get((i, attempt, pid))
+                if not waiting:
+                    anomalies["end_without_start"] += 1
+                    continue
+                run = waiting.pop(0)
+                if not waiting:  # only open runs stay indexed: millions of keys otherwise
+                    del open_runs[(i, attempt, pid)]
+                run.end_ms, run.result = int(row["t_ms"]), sys.intern(str(row["result"]))
+    for task in tasks.values():
+        task.runs.sort(key=lambda r: r.start_ms)
+
+
+def _read_faults(path: Path, anomalies: Counter[str]) -> list[Fault]:
+    faults = [
+        Fault(
+            kind=str(row["fault"]),
+            start_ms=int(row["start_ms"]),
+            end_ms=int(row.get("end_ms") or row["start_ms"]),
+            pids=frozenset(int(p) for p in row.get("pids") or ()),
+            detail=str(row.get("detail", "")),
+        )
+        for row in _lines(path, anomalies)
+    ]
+    return sorted(faults, key=lambda f: f.start_ms)
+
+
+def load(run_dir: Path) -> History:
+    """Read a soak run's files from `run_dir` and join them per task."""
+    anomalies: Counter[str] = Counter()
+    tasks, tags = _read_produced(run_dir / "produced.jsonl", anomalies)
+    _read_runs(run_dir, tasks, anomalies)
+    faults = _read_faults(run_dir / "faults.jsonl", anomalies)
+    samples = sorted(_lines(run_dir / "samples.jsonl", anomalies), key=lambda s: s["t_ms"])
+    return History(tasks, faults, samples, tags, anomalies)
+
+
+# --- fault windows -------------------------------------------------------------------------
+
+
+class FaultWindows:
+    """Which faults' windows ([start, end + settle]) contain a time, in O(log n) per lookup."""
+
+    def __init__(self, faults: list[Fault], settle_s: float) -> None:
+        """Index `faults`, each window extended by `settle_s` after the fault's end."""
+        settle_ms = int(settle_s * 1000)
+        spans = sorted((f.start_ms, f.end_ms + settle_ms, f.kind) for f in faults)
+        self._starts = [s for s, _, _ in spans]
+        self._spans = spans
+        self._longest_ms = max((e - s for s, e, _ in spans), default=0)
+
+    def kinds_at(self, t_ms: int, until_ms: int | None = None) -> set[str]:
+        """The kinds of fault whose window meets [`t_ms`, `until_ms`] (default: the instant
+        `t_ms`); empty: outside every window."""
+        until_ms = t_ms if until_ms is None else until_ms
+        kinds: set[str] = set()
+        idx = bisect.bisect_right(self._starts, until_ms) - 1
+        # Windows starting earlier than the longest one's length cannot reach t_ms.
+        while idx >= 0 and self._starts[idx] >= t_ms - self._longest_ms:
+            start_ms, end_ms, kind = self._spans[idx]
+            if start_ms <= until_ms and t_ms <= end_ms:
+                kinds.add(kind)
+            idx -= 1
+        return kinds
+
+
+# --- fates ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Context:
+    max_attempts: int
+    end_ms: int
+    unfinished_grace_ms: int
+    window1: frozenset[str]
+    # pid -> (fault start, kind) of the window-1 faults that hit it
+    window1_hits: dict[int, list[tuple[int, str]]]
+    faults: list[Fault]
+
+
+@dataclass(frozen=True)
+class Fate:
+    """One task's fate and, for a second run, what explains it."""
+
+    name: str
+    documented_by: tuple[str, ...] = ()  # the window-1 fault kinds behind documented extra runs
+    hints: tuple[str, ...] = ()  # per undocumented extra run: the window that would apply, if any
+
+
+def _context(faults: list[Fault], params: dict[str, Any]) -> _Context:
+    window1 = frozenset(params.get("window1_faults", WINDOW1_FAULTS))
+    hits: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for f in faults:
+        if f.kind in window1:
+            for pid in f.pids:
+                hits[pid].append((f.start_ms, f.kind))
+    return _Context(
+        max_attempts=int(params["max_attempts"]),
+        end_ms=int(params["end_ms"]),
+        unfinished_grace_ms=int(float(params.get("unfinished_grace_s", 0)) * 1000),
+        window1=window1,
+        window1_hits=dict(hits),
+        faults=faults,
+    )
+
+
+def _extra_runs(task: Task) -> list[Run]:
+    """Runs beyond the one expected: further ok ends, and any start after the first ok end.
+
+    Failed and timed-out (`slow`) runs before the first ok end are the kind's design (fail_once,
+    slow_once, a run whose process was killed and is retried), not extras.
+    """
+    oks = [r for r in task.runs if r.result == "ok"]
+    if not oks:
+        return []
+    primary = oks[0]  # runs are sorted by start
+    first_ok_end_ms = min(r.end_ms for r in oks if r.end_ms is not None)
+    return [
+        r
+        for r in task.runs
+        if r is not primary and (r.result == "ok" or r.start_ms > first_ok_end_ms)
+    ]
+
+
+def _earlier_candidates(task: Task, extra: Run) -> list[Run]:
+    # Runs that may have done the work before `extra` started: they ended ok or never ended.
+    return [
+        r
+        for r in task.runs
+        if r is not extra and r.start_ms <= extra.start_ms and r.result in ("ok", None)
+    ]
+
+
+def _documenting_fault(task: Task, extra: Run, ctx: _Context) -> str | None:
+    """The window-1 fault kind that explains `extra`, or None.
+
+    Window 1 applies when an earlier run's process was killed or frozen after that run started
+    and before `extra` started (the work may be done, its outcome not recorded).
+    """
+    for earlier in _earlier_candidates(task, extra):
+        for start_ms, kind in ctx.window1_hits.get(earlier.pid, ()):
+            if earlier.start_ms <= start_ms <= extra.start_ms:
+                return kind
+    if task.ambiguous:
+        return "ambiguous_create"
+    return None
+
+
+def _window_hint(task: Task, extra: Run, ctx: _Context) -> str:
+    """Which GUARANTEES window could explain an undocumented extra run, for a reader to check."""
+    earlier = _earlier_candidates(task, extra)
+    if not earlier:
+        return "none: no earlier run ended ok or vanished"
+    first_ms = min(r.start_ms for r in earlier)
+    pids = {r.pid for r in earlier}
+    between = [f for f in ctx.faults if f.start_ms <= extra.start_ms and f.end_ms >= first_ms]
+    if first_ms < task.created_ms:
+        # The producer retries a create that raised; if the first try had committed the row,
+        # the task ran, and the retry re-created it.
+        return "3: ran before its create call returned (a retried create re-created it)"
+    if any(first_ms <= t_ms <= extra.start_ms for t_ms, _ in task.reschedules):
+        return "3: rescheduled (re-created) while running"
+    if task.kind == "slow_once":
+        return "2: a handler past its timeout"
+    for f in between:
+        if f.pids & pids and f.kind == "stall":
+            return f"1: listener {sorted(f.pids & pids)} cut off from the database (stall)"
+        if f.pids & pids and f.kind not in ctx.window1:
+            return f"1?: a {f.kind} hit the earlier run's listener {sorted(f.pids & pids)}"
+    if any(f.kind == "mariadb_restart" for f in between):
+        return "1 or 4: the ledger restarted between the runs (lost database / refused outcome)"
+    if between:
+        return "none: faults between the runs: " + ", ".join(sorted({f.kind for f in between}))
+    return "none: no fault between the runs"
+
+
+def _is_unfinished(task: Task, ctx: _Context) -> bool:
+    last_ms = max([task.final_due_ms, *(r.end_ms or r.start_ms for r in task.runs)])
+    return last_ms >= ctx.end_ms - ctx.unfinished_grace_ms
+
+
+def _cancelled_untouched(task: Task) -> bool:
+    # A cancel that took effect, or a tag cancel that may have: no start after it.
+    for cancel_ms in (task.cancel_ok_ms, task.tag_cancel_ms):
+        if cancel_ms is not None and not any(r.start_ms > cancel_ms for r in task.runs):
+            return True
+    return False
+
+
+def _dead_fate(task: Task, ctx: _Context) -> Fate:
+    if any(r.result == "ok" for r in task.runs):
+        return Fate("dead_ran_ok")
+    if len(task.runs) >= ctx.max_attempts:
+        return Fate("dead_by_design")
+    if _cancelled_untouched(task):
+        return Fate("cancelled")
+    return Fate("unfinished" if _is_unfinished(task, ctx) else "dead_short")
+
+
+def _ran_fate(task: Task, ctx: _Context) -> Fate:
+    extras = _extra_runs(task)
+    if not extras:
+        return Fate("ran_once")
+    documented: list[str] = []
+    hints: list[str] = []
+    for extra in extras:
+        kind = _documenting_fault(task, extra, ctx)
+        if kind is None:
+            hints.append(_window_hint(task, extra, ctx))
+        else:
+            documented.append(kind)
+    if hints:
+        return Fate("ran_twice_undocumented", tuple(documented), tuple(hints))
+    return Fate("ran_twice_documented", tuple(documented))
+
+
+def _fate_of(task: Task, ctx: _Context) -> Fate:
+    """Classify one task from its history (see the module docstring and FATES)."""
+    cancel_ms = task.cancel_ok_ms
+    if cancel_ms is not None and any(r.start_ms > cancel_ms for r in task.runs):
+        return Fate("ran_after_cancel")
+    if task.kind == "dead":
+        return _dead_fate(task, ctx)
+    if any(r.result == "ok" for r in task.runs):
+        return _ran_fate(task, ctx)
+    if _cancelled_untouched(task):
+        return Fate("cancelled")
+    return Fate("unfinished" if _is_unfinished(task, ctx) else "lost")
+
+
+def early_starts(task: Task) -> list[Run]:
+    """Starts more than EARLY_TOLERANCE_MS before the producer's due at that moment."""
+    return [r for r in task.runs if r.start_ms < task.due_at(r.start_ms) - EARLY_TOLERANCE_MS]
+
+
+def first_start_lateness(task: Task) -> tuple[int, int] | None:
+    """(due_ms, lateness_ms) of the task's first start against the producer's due then."""
+    if not task.runs:
+        return None
+    first = task.runs[0]
+    due_ms = task.due_at(first.start_ms)
+    return due_ms, first.start_ms - due_ms
+
+
+def lateness_points(history: History) -> list[tuple[int, int]]:
+    """(due_ms, lateness_ms) of every task that started, by due time (retries excluded)."""
+    points = [p for t in history.tasks.values() if (p := first_start_lateness(t)) is not None]
+    points.sort()
+    return points
+
+
+def _vanished_then_retried(task: Task, kill_hits: dict[int, list[int]]) -> bool:
+    # A run with no end whose process no kill -9 hit, yet someone ran the task again: its
+    # process died (or lost the task) for a reason the run did not inject.
+    return any(
+        run.end_ms is None and not any(t >= run.start_ms for t in kill_hits.get(run.pid, ()))
+        for run in task.runs[:-1]
+    )
+
+
+def task_history(task: Task) -> dict[str, Any]:
+    """A task's whole history, for the verdict's examples."""
+    return {
+        "i": task.i,
+        "kind": task.kind,
+        "via": task.via,
+        "created_ms": task.created_ms,
+        "dues": [[task.created_ms, task.due_ms], *(list(d) for d in task.reschedules)],
+        "cancels": [list(c) for c in task.cancels],
+        "tag_cancel_ms": task.tag_cancel_ms,
+        "runs": [
+            {
+                "start_ms": r.start_ms,
+                "attempt": r.attempt,
+                "pid": r.pid,
+                "seen_due_ms": r.seen_due_ms,
+                "end_ms": r.end_ms,
+                "result": r.result,
+            }
+            for r in task.runs
+        ],
+    }
+
+
+def _kill_hits(faults: list[Fault]) -> dict[int, list[int]]:
+    """pid -> start times of the kill -9 faults that hit it."""
+    hits: dict[int, list[int]] = defaultdict(list)
+    for f in faults:
+        if f.kind == "kill9":
+            for pid in f.pids:
+                hits[pid].append(f.start_ms)
+    return hits
+
+
+def _example(task: Task, fate: Fate | None = None) -> dict[str, Any]:
+    row = task_history(task)
+    if fate is not None and fate.hints:
+        row["window_hints"] = list(fate.hints)
+    if fate is not None and fate.documented_by:
+        row["documented_by"] = list(fate.documented_by)
+    return row
+
+
+def _fates_section(history: History, ctx: _Context, examples: int) -> dict[str, Any]:
+    by_fate: dict[str, list[tuple[Task, Fate]]] = {name: [] for name in FATES}
+    early_tasks: list[Task] = []
+    early_count = 0
+    kill_hits = _kill_hits(history.faults)
+    vanished: list[Task] = []
+    for i in sorted(history.tasks):
+        task = history.tasks[i]
+        fate = _fate_of(task, ctx)
+        by_fate[fate.name].append((task, fate))
+        early = early_starts(task)
+        if early:
+            early_count += len(early)
+            early_tasks.append(task)
+        if _vanished_then_retried(task, kill_hits):
+            vanished.append(task)
+
+    fates: dict[str, Any] = {
+        name: {"count": len(rows), "examples": [_example(t, f) for t, f in rows[:examples]]}
+        for name, rows in by_fate.items()
+    }
+    fates["ran_twice_documented"]["by_fault"] = dict(
+        Counter(k for _, f in by_fate["ran_twice_documented"] for k in f.documented_by)
+    )
+    fates["ran_twice_undocumented"]["by_window"] = dict(
+        Counter(h.split(":")[0] for _, f in by_fate["ran_twice_undocumented"] for h in f.hints)
+    )
+    return {
+        "fates": fates,
+        "early": {
+            "starts": early_count,
+            "tasks": len(early_tasks),
+            "examples": [_example(t) for t in early_tasks[:examples]],
+        },
+        "vanished_then_retried": {
+            "count": len(vanished),
+            "examples": [_example(t) for t in vanished[:examples]],
+        },
+    }
+
+
+def _tag_overruns(history: History) -> list[dict[str, Any]]:
+    """cancel_tag calls after which more tasks started than the call can have left alone."""
+    overruns = []
+    for tag in history.tag_cancels:
+        if tag.cancelled < 0:  # the producer lost the answer (a retried cancel): nothing to check
+            continue
+        started_after = sum(
+            1
+            for i in tag.ids
+            if (t := history.tasks.get(i)) is not None
+            and any(r.start_ms > tag.t_ms for r in t.runs)
+        )
+        if started_after > len(tag.ids) - tag.cancelled:
+            overruns.append(
+                {
+                    "t_ms": tag.t_ms,
+                    "ids": len(tag.ids),
+                    "cancelled": tag.cancelled,
+                    "started_after": started_after,
+                }
+            )
+    return overruns
+
+
+# --- lateness ------------------------------------------------------------------------------
+
+
+def percentiles(values: list[int]) -> dict[str, float | int | None]:
+    """count, p50/p99/p99.9 (nearest rank) and max of `values` (None when empty)."""
+    ordered = sorted(values)
+    n = len(ordered)
+
+    def rank(p: float) -> int | None:
+        return ordered[max(0, math.ceil(p * n) - 1)] if n else None
+
+    return {
+        "count": n,
+        "p50": rank(0.50),
+        "p99": rank(0.99),
+        "p99.9": rank(0.999),
+        "max": ordered[-1] if n else None,
+    }
+
+
+def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]:
+    outside: list[int] = []
+    inside: list[int] = []
+    by_kind: dict[str, list[int]] = defaultdict(list)
+    for due_ms, late_ms in lateness_points(history):
+        # Inside when the task waited through a fault: due in its window, or due before it
+        # and still waiting when it struck (claimed by a listener then killed, say).
+        kinds = windows.kinds_at(due_ms, due_ms + max(0, late_ms))
+        (inside if kinds else outside).append(late_ms)
+        for kind in kinds:
+            by_kind[kind].append(late_ms)
+    return {
+        "unit": "ms",
+        "outside": percentiles(outside),
+        "inside": percentiles(inside),
+        "inside_by_fault": {k: percentiles(v) for k, v in sorted(by_kind.items())},
+    }
+
+
+# --- growth --------------------------------------------------------------------------------
+
+
+def growth_check(values: list[float], integer: bool, limit: float) -> dict[str, Any]:
+    """End (median of the last 3) against the median of `values`: did it grow past `limit`?
+
+    growth = end / median - 1. A count (descriptors, threads, connections) must also have grown
+    by more than 1: a count of 6 cannot move by 10 %, its next step (7) is already +17 %, so a
+    relative limit alone would fail on a single descriptor opened at the wrong moment. With a
+    median of 0, growth is None and any rise (more than 1 for a count) fails.
+    """
+    median = statistics.median(values)
+    end = statistics.median(values[-END_SAMPLES:])
+    rise = end - median
+    growth = end / median - 1 if median > 0 else None
+    grew = rise > 0 if growth is None else growth > limit
+    if integer:
+        grew = grew and rise > 1
+    return {
+        "median": round(median, 3),
+        "end": round(end, 3),
+        "max": round(max(values), 3),
+        "growth": None if growth is None else round(growth, 4),
+        "passed": not grew,
+    }
+
+
+def _series_check(rows: list[tuple[int, float]], integer: bool, limit: float) -> dict[str, Any]:
+    if len(rows) < MIN_GROWTH_SAMPLES:
+        return {"status": "too_short", "samples": len(rows), "passed": True}
+    check = growth_check([v for _, v in rows], integer, limit)
+    return {"status": "ok" if check["passed"] else "grew", "samples": len(rows), **check}
+
+
+def _listener_growth(history: History, params: dict[str, Any]) -> list[dict[str, Any]]:
+    warm_ms = int(params["warm_up_s"] * 1000)
+    limit = float(params["growth_limit"])
+    by_pid: dict[int, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+    for sample in history.samples:
+        for entry in sample.get("listeners") or ():
+            by_pid[int(entry["pid"])].append((int(sample["t_ms"]), entry))
+    out = []
+    for pid, rows in sorted(by_pid.items(), key=lambda kv: kv[1][0][0]):
+        first = rows[0][1]
+        started_ms = int(first.get("started_ms") or rows[0][0])
+        # A fresh process fills its pools and caches first: judge it after its own warm-up too.
+        from_ms = max(int(params["start_ms"]) + warm_ms, started_ms + warm_ms)
+        kept = [(t, e) for t, e in rows if t >= from_ms]
+        metrics = {
+            name: _series_check(
+                [(t, float(e[name])) for t, e in kept if e.get(name) is not None],
+                name in INTEGER_METRICS,
+                limit,
+            )
+            for name in GROWTH_METRICS
+        }
+        too_short = len(kept) < MIN_GROWTH_SAMPLES
+        out.append(
+            {
+                "pid": pid,
+                "slot": first.get("slot"),
+                "started_ms": started_ms,
+                "samples": len(kept),
+                "status": "too_short" if too_short else "ok",
+                "passed": all(m["passed"] for m in metrics.values()),
+                "metrics": metrics,
+            }
+        )
+    return out
+
+
+def _ledger_rows(sample: dict[str, Any]) -> dict[str, int] | None:
+    rows = sample.get("ledger_rows")
+    return rows if isinstance(rows, dict) and rows else None
+
+
+def _server_growth(history: History, params: dict[str, Any]) -> dict[str, Any]:
+    """Redis memory and pending rows, once the longest due time has filled the queue.
+
+    Pending rows and the keys behind them grow until tasks created at the start fall due
+    (`max_due_s`); finished rows saw-tooth with every prune, so they get a bound (below), not an
+    end-versus-median check.
+    """
+    from_ms = int(params["start_ms"]) + int(max(params["warm_up_s"], params["max_due_s"]) * 1000)
+    to_ms = int(params["produce_end_ms"])
+    limit = float(params["growth_limit"])
+    window = [s for s in history.samples if from_ms <= s["t_ms"] <= to_ms]
+    redis_rows = [
+        (s["t_ms"], float(s["redis_used_bytes"]))
+        for s in window
+        if s.get("redis_used_bytes") is not None
+    ]
+    pending = [
+        (s["t_ms"], float(r.get("pending", 0)))
+        for s in window
+        if (r := _ledger_rows(s)) is not None
+    ]
+    return {
+        "from_ms": from_ms,
+        "to_ms": to_ms,
+        "redis_used_bytes": _series_check(redis_rows, False, limit),
+        "ledger_pending_rows": _series_check(pending, True, limit),
+    }
+
+
+def _ledger_bound(history: History, params: dict[str, Any]) -> dict[str, Any]:
+    """Finished rows (done + dead + cancelled) stay under what retention and pruning allow.
+
+    At most `retain_done_s + prune_every_s` worth of finished tasks wait for a prune, 25 % slack
+    for bursts, plus every dead task created (a dead row is evidence: its retention may differ).
+    """
+    needed = ("rate_per_s", "retain_done_s", "prune_every_s")
+    if any(params.get(k) is None for k in needed):
+        return {
+            "status": "not_checked",
+            "passed": True,
+            "missing": [k for k in needed if params.get(k) is None],
+        }
+    dead_created = sum(1 for t in history.tasks.values() if t.kind == "dead")
+    bound = (
+        LEDGER_BOUND_SLACK
+        * float(params["rate_per_s"])
+        * (float(params["retain_done_s"]) + float(params["prune_every_s"]))
+        + dead_created
+    )
+    seen = [
+        (s["t_ms"], sum(int(r.get(k, 0)) for k in FINISHED_STATUSES))
+        for s in history.samples
+        if (r := _ledger_rows(s)) is not None
+    ]
+    max_t_ms, max_rows = max(seen, key=lambda p: p[1], default=(None, 0))
+    return {
+        "status": "ok" if max_rows <= bound else "exceeded",
+        "bound_rows": round(bound),
+        "max_finished_rows": max_rows,
+        "max_at_ms": max_t_ms,
+        "dead_created": dead_created,
+        "passed": max_rows <= bound,
+    }
+
+
+# --- throughput ----------------------------------------------------------------------------
+
+
+@dataclass
+class Throughput:
+    """Counts per bucket: ok ends, starts and tasks falling due (the producer's final due)."""
+
+    bucket_s: int
+    t0_ms: int
+    ok_ends: list[int]
+    starts: list[int]
+    due: list[int]
+
+    def bucket_ms(self, n: int) -> int:
+        """Start of bucket `n` in epoch ms."""
+        return self.t0_ms + n * self.bucket_s * 1000
+
+
+def throughput_series(
+    history: History, start_ms: int, end_ms: int, bucket_s: int = BUCKET_S
+) -> Throughput:
+    """Ok ends, starts and dues per `bucket_s` bucket from `start_ms` to `end_ms`."""
+    width_ms = bucket_s * 1000
+    n = max(1, math.ceil((end_ms - start_ms) / width_ms))
+    out = Throughput(bucket_s, start_ms, [0] * n, [0] * n, [0] * n)
+
+    def add(counts: list[int], t_ms: int) -> None:
+        idx = (t_ms - start_ms) // width_ms
+        if 0 <= idx < n:
+            counts[idx] += 1
+
+    for task in history.tasks.values():
+        add(out.due, task.final_due_ms)
+        for run in task.runs:
+            add(out.starts, run.start_ms)
+            if run.result == "ok" and run.end_ms is not None:
+                add(out.ok_ends, run.end_ms)
+    return out
+
+
+def _rate_summary(counts: list[int], bucket_s: int) -> dict[str, float | None]:
+    if not counts:
+        return {"min": None, "p50": None, "max": None}
+    per_s = [c / bucket_s for c in counts]
+    return {"min": min(per_s), "p50": statistics.median(per_s), "max": max(per_s)}
+
+
+def _throughput_section(history: History, params: dict[str, Any]) -> dict[str, Any]:
+    start_ms, end_ms = int(params["start_ms"]), int(params["end_ms"])
+    series = throughput_series(history, start_ms, end_ms)
+    # Judge the steady part: once tasks of every due time fall due (the rate of dues climbs
+    # until `max_due_s`), before production ends.
+    first = math.ceil(max(params["warm_up_s"], params["max_due_s"]) / series.bucket_s)
+    last = (int(params["produce_end_ms"]) - start_ms) // (series.bucket_s * 1000)
+    ok_steady = series.ok_ends[first:last]
+    return {
+        "bucket_s": series.bucket_s,
+        "steady_from_ms": series.bucket_ms(first),
+        "steady_to_ms": series.bucket_ms(last),
+        "ok_ends_per_s": _rate_summary(ok_steady, series.bucket_s),
+        "starts_per_s": _rate_summary(series.starts[first:last], series.bucket_s),
+        "due_per_s": _rate_summary(series.due[first:last], series.bucket_s),
+        "empty_buckets": sum(1 for c in ok_steady if c == 0),
+        "ok_ends_total": sum(series.ok_ends),
+        "starts_total": sum(series.starts),
+    }
+
+
+# --- verdict -------------------------------------------------------------------------------
+
+
+def _ids(section: dict[str, Any]) -> str:
+    ids = [str(e["i"]) for e in section["examples"][:5]]
+    return ", ".join(ids)
+
+
+def _failures(report: dict[str, Any]) -> list[str]:
+    failures = []
+    for name in FATES:
+        section = report["fates"][name]
+        if name in FAILED_FATES and section["count"]:
+            failures.append(f"{section['count']} task(s) {name}, e.g. ids {_ids(section)}")
+    early = report["early"]
+    if early["starts"]:
+        failures.append(
+            f"{early['starts']} start(s) of {early['tasks']} task(s) more than "
+            f"{EARLY_TOLERANCE_MS} ms early, e.g. ids {_ids(early)}"
+        )
+    for tag in report["cancel_tag_overruns"]:
+        failures.append(
+            f"cancel_tag at {tag['t_ms']}: {tag['started_after']} of {tag['ids']} tasks started "
+            f"after it, though it cancelled {tag['cancelled']}"
+        )
+    for proc in report["growth"]["listeners"]:
+        for name, m in proc["metrics"].items():
+            if not m["passed"]:
+                failures.append(
+                    f"listener pid {proc['pid']} (slot {proc['slot']}): {name} grew "
+                    f"{m['median']:g} -> {m['end']:g} (growth {m['growth']})"
+                )
+    for name in ("redis_used_bytes", "ledger_pending_rows"):
+        m = report["growth"]["servers"][name]
+        if not m["passed"]:
+            failures.append(f"{name} grew {m['median']:g} -> {m['end']:g} (growth {m['growth']})")
+    bound = report["ledger_bound"]
+    if not bound["passed"]:
+        failures.append(
+            f"finished ledger rows reached {bound['max_finished_rows']}, "
+            f"bound {bound['bound_rows']}"
+        )
+    return failures
+
+
+def verdict_of(history: History, params: dict[str, Any]) -> dict[str, Any]:
+    """The verdict of an already loaded history (see `verdict`)."""
+    ctx = _context(history.faults, params)
+    windows = FaultWindows(history.faults, float(params.get("settle_s", 10)))
+    report: dict[str, Any] = {
+        "params": params,
+        "created": len(history.tasks),
+        "created_by_kind": dict(Counter(t.kind for t in history.tasks.values())),
+        "created_by_via": dict(Counter(t.via for t in history.tasks.values())),
+        "faults": [
+            {
+                "fault": f.kind,
+                "start_ms": f.start_ms,
+                "end_ms": f.end_ms,
+                "pids": sorted(f.pids),
+                "detail": f.detail,
+            }
+            for f in history.faults
+        ],
+        **_fates_section(history, ctx, int(params.get("examples", EXAMPLES))),
+        "cancel_tag_overruns": _tag_overruns(history),
+        "lateness": _lateness_section(history, windows),
+        "growth": {
+            "listeners": _listener_growth(history, params),
+            "servers": _server_growth(history, params),
+        },
+        "ledger_bound": _ledger_bound(history, params),
+        "throughput": _throughput_section(history, params),
+        "anomalies": dict(history.anomalies),
+    }
+    report["failures"] = _failures(report)
+    report["passed"] = not report["failures"]
+    return report
+
+
+def verdict(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
+    """Judge the soak run recorded in `run_dir`; a JSON-serialisable dict.
+
+    `params`: start_ms, produce_end_ms, end_ms (epoch ms); warm_up_s, max_due_s, max_attempts,
+    settle_s, growth_limit, retain_done_s, prune_every_s, rate_per_s; optional
+    `window1_faults` (fault kinds that document a second run, default kill9 and sigstop),
+    `unfinished_grace_s` (a task whose last due or run is this close to end_ms is "unfinished",
+    not lost or dead_short; default 0) and `examples` (per fate, default 20).
+
+    Keys: passed, failures (one line each), fates (count and examples with their history per
+    fate), early, vanished_then_retried (a warning: a run without end on a process no kill -9
+    hit, run again), cancel_tag_overruns, lateness, growth, ledger_bound, throughput, faults,
+    anomalies (lines that could not be read or joined).
+    """
+    return verdict_of(load(run_dir), params)
