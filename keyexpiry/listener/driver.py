@@ -20,11 +20,12 @@ from __future__ import annotations
 import heapq
 import threading
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import redis
 from loguru import logger
 from redis.cluster import RedisCluster
+from redis.commands.core import Script
 
 from keyexpiry.errors import StoreError
 from keyexpiry.keys import driver_lock_key
@@ -56,6 +57,20 @@ for i = 1, #KEYS do
 end
 return out
 """
+# On a Redis Cluster node: the same lookups, the keys passed as arguments. A script's declared
+# keys must share one slot (CROSSSLOT otherwise), but a script without a shebang may look up keys
+# of any slot its node serves: one command per primary per pass, where a pipeline cost the client a
+# command to pack and a reply to parse per key, and one that `_pttl_by_node` can send to every
+# primary before reading any reply. A key its node does not serve (a slot moved since the
+# client's map was read) fails the call on the node ("non local key"); the pass then goes through
+# the cluster pipeline, which follows it.
+_LOOK_UP_ARGV = """
+local out = {}
+for i = 1, #ARGV do
+  out[i] = redis.call('pttl', ARGV[i])
+end
+return out
+"""
 
 
 class ExpiryDriver:
@@ -79,6 +94,8 @@ class ExpiryDriver:
         self._errors = ThreadErrors()
         self._renew = self.redis.register_script(_RENEW)
         self._pttls = self.redis.register_script(_LOOK_UP)
+        self._node_pttls: dict[str, Script] = {}
+        """`_LOOK_UP_ARGV` registered on each Cluster primary's client, by node name."""
         self._lock_key = driver_lock_key(rt.settings.key_prefix)
         self._lease_checked_ms = 0
         self._last_pass_ms = -TICK_MS
@@ -204,21 +221,63 @@ class ExpiryDriver:
     def _pttl_each(self, keys: list[str]) -> list[int]:
         if self.rt.cluster is None:
             return list(self._pttls(keys=keys))
-        # Keys of many slots: a script cannot span them. One plain pipeline per primary; a
-        # slot that moved meanwhile (MOVED) goes through the cluster pipeline, which follows it.
-        out = [0] * len(keys)
+        # Keys of many slots: one script call per primary (`_LOOK_UP_ARGV`); a slot that moved
+        # meanwhile goes through the cluster pipeline, which follows it.
         try:
-            for node, positions in by_node(cast(RedisCluster, self.redis), keys):
-                pipe = node.pipeline(transaction=False)
-                for i in positions:
-                    pipe.pttl(keys[i])
-                for i, pttl in zip(positions, pipe.execute(), strict=True):
-                    out[i] = int(pttl)
+            return self._pttl_by_node(keys)
         except redis.ResponseError:
             pipe = self.redis.pipeline(transaction=False)
             for key in keys:
                 pipe.pttl(key)
             return [int(p) for p in pipe.execute()]
+
+    def _pttl_by_node(self, keys: list[str]) -> list[int]:
+        """`keys`' PTTLs, one script call per primary, every call sent before any reply is read.
+
+        Sent one after the other, each primary expired its keys (and published their events) a
+        round trip after the one before, so a pass reached the listener as one burst per primary,
+        each of which can wake the subscriber, the claimer and a claim transaction of its own,
+        where one node's pass is one burst. Measured (steady wave, 10k tasks): the cluster
+        listener's main thread woke 2.8 times as often as one node's (voluntary context switches
+        9,845 against 3,463), and its CPU was 1.41-1.51 times one node's with the calls sent
+        one by one, 1.24-1.33 times sent together (alternating runs, `bench --scenario cluster`).
+        Sent together, the primaries expire their keys at about the same moment.
+        """
+        out = [0] * len(keys)
+        sent: list[tuple[redis.Redis, Script, list[int], Any]] = []
+        try:
+            for node, positions in by_node(cast(RedisCluster, self.redis), keys):
+                name = _node_name(node)
+                script = self._node_pttls.get(name)
+                if script is None:
+                    script = self._node_pttls[name] = node.register_script(_LOOK_UP_ARGV)
+                conn: Any = node.connection_pool.get_connection()
+                sent.append((node, script, positions, conn))
+                conn.send_command("EVALSHA", script.sha, 0, *[keys[i] for i in positions])
+            refused: redis.ResponseError | None = None
+            for node, script, positions, conn in sent:
+                try:
+                    pttls = conn.read_response()
+                except redis.exceptions.NoScriptError:
+                    # Not loaded there yet (a new or restarted primary): the script call loads it.
+                    pttls = None
+                except redis.ResponseError as exc:
+                    refused = refused or exc  # every reply is read before the pass gives up
+                    continue
+                if pttls is None:
+                    pttls = script(keys=[], args=[keys[i] for i in positions], client=node)
+                for i, pttl in zip(positions, pttls, strict=True):
+                    out[i] = int(pttl)
+            if refused is not None:
+                raise refused
+        except BaseException:
+            # A reply may be left unread on a connection: none goes back to its pool in use.
+            for _node, _script, _positions, conn in sent:
+                conn.disconnect()
+            raise
+        finally:
+            for node, _script, _positions, conn in sent:
+                node.connection_pool.release(conn)
         return out
 
     def _look_up(self, due: list[tuple[int, str]], now_ms: int) -> None:
@@ -238,3 +297,9 @@ class ExpiryDriver:
                 with self._lock:
                     for item in again:
                         heapq.heappush(self._heap, item)
+
+
+def _node_name(node: redis.Redis) -> str:
+    """host:port of a node's plain client (the key of its registered script)."""
+    kwargs = node.connection_pool.connection_kwargs
+    return f"{kwargs.get('host')}:{kwargs.get('port')}"
