@@ -194,10 +194,35 @@ def _read_rows() -> Iterator[Row]:
             yield Row(**json.loads(line))
 
 
+SOAK_DIR = ROOT / "docs" / "soak"
+"""The soak run docs/RELIABILITY.md shows: its `soak.json` and plots, copied from
+`bench-results/soak/<time>/` (`keyexpiry bench --scenario soak --minutes 30`)."""
+
+
+def _soak_section() -> list[str]:
+    path = SOAK_DIR / "soak.json"
+    if not path.exists():
+        return []
+    from keyexpiry.bench.soak import markdown
+
+    try:
+        return [markdown(json.loads(path.read_text()), "soak"), ""]
+    except (ValueError, KeyError, TypeError) as exc:
+        # The fault suite's table must still be written: say what is wrong with the soak's.
+        return [f"(docs/soak/soak.json could not be shown: {exc!r})", ""]
+
+
 def render(rows: Sequence[Row]) -> str:
     """The Markdown report for `rows`."""
     lines = [
-        "# Reliability: the fault suite's results",
+        "# Reliability: the soak's and the fault suite's results",
+        "",
+        "Two kinds of evidence: an endurance soak (a fleet under steady load, hit by one fault",
+        "after another for half an hour, judged from its recorded history) and the fault suite",
+        "(each fault alone, on every ledger engine).",
+        "",
+        *_soak_section(),
+        "## The fault suite",
         "",
         "Produced by `make reliability` (runs `tests/faults/` against real redis-server and",
         "SQLite, MariaDB (one server, or Galera behind HAProxy) or PostgreSQL (one server, or a",

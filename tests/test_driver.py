@@ -13,6 +13,7 @@ from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 from tests.conftest import RedisFactory
 from tests.ke import Running, make_settings, wait_status
+from tests.test_security import acl_user
 
 StartListener = Callable[[Settings], Running]
 
@@ -129,3 +130,30 @@ def test_a_burst_due_in_the_same_instant_all_runs_once(
     wait_until(lambda: client.store.counts().get("done", 0) == 5000, 60)
     assert len(sample_tasks.CALLS) == 5000 and set(sample_tasks.CALLS.values()) == {1}
     assert set(keys) == set(sample_tasks.CALLS)
+
+
+def test_tasks_whose_wake_was_lost_in_a_subscription_gap_fire_on_time(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    """Found by the soak: a task created while the driving listener was not subscribed (its
+    pub/sub connection killed, a failover) and due inside the window the driver had read had no
+    wake message to reach the driver, and waited for Redis's own sweep or the overdue check
+    (up to 25 s in the soak). After a gap the driver reads its window again."""
+    server = redis_factory()
+    admin = server.client()
+    # The overdue safety net pushed out of the way: only the driver can make them prompt.
+    cfg = make_settings(acl_user(server), db_url, tmp_path, stuck_after_s=60)
+    with Client(make_settings(server.url(), db_url, tmp_path)) as c:
+        _fill_far_future_keys(c.redis, 100_000)
+        running = start_listener(cfg)
+        wait_until(lambda: running.listener.driver.is_leader, 10, message="never drove")
+        admin.execute_command("ACL", "SETUSER", "ke", "off")
+        admin.execute_command("CLIENT", "KILL", "USER", "ke")
+        wait_until(lambda: not running.listener.subscribed.is_set(), 5)
+        keys = [c.create("Probe.record", f"gap{i}", ttl_ms=1500 + 100 * i) for i in range(10)]
+        admin.execute_command("ACL", "SETUSER", "ke", "on")
+        wait_until(lambda: running.listener.subscribed.is_set(), 10)
+        for key in keys:
+            wait_status(c, key, TaskStatus.DONE, timeout_s=15)
+        assert max(_lateness_ms(c, keys)) < 1000
+    admin.close()

@@ -36,17 +36,16 @@ class Recorder:
         self.faults: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
 
-    def create(self, i: int, due_s: float, kind: str = "normal", t_s: float = 1.0) -> None:
-        self.produced.append(
-            {
-                "op": "create",
-                "t_ms": ms(t_s),
-                "i": i,
-                "due_ms": ms(due_s),
-                "kind": kind,
-                "via": "plain",
-            }
-        )
+    def create(
+        self,
+        i: int,
+        due_s: float,
+        kind: str = "normal",
+        t_s: float = 1.0,
+        ambiguous: bool = False,
+    ) -> None:
+        line = {"op": "create", "t_ms": ms(t_s), "i": i, "due_ms": ms(due_s), "kind": kind}
+        self.produced.append({**line, "via": "plain", **({"ambiguous": True} if ambiguous else {})})
 
     def reschedule(self, i: int, t_s: float, due_s: float) -> None:
         self.produced.append({"op": "reschedule", "t_ms": ms(t_s), "i": i, "due_ms": ms(due_s)})
@@ -253,6 +252,19 @@ def test_a_second_run_after_kill9_of_the_first_ones_listener_is_documented(rec: 
     assert report["passed"], report["failures"]
 
 
+def test_a_second_run_of_an_ambiguous_create_retried_is_documented(rec: Recorder) -> None:
+    rec.create(1, due_s=10, ambiguous=True)  # the first create's answer was lost, then retried
+    rec.run(1, 10.0, 10.1)
+    rec.run(1, 10.5, 10.6, pid=PID_B)
+    rec.create(2, due_s=10)  # the same without the flag: a defect
+    rec.run(2, 10.0, 10.1)
+    rec.run(2, 10.5, 10.6, pid=PID_B)
+    report = judge(rec)
+    assert fate_ids(report, "ran_twice_documented") == [1]
+    assert report["fates"]["ran_twice_documented"]["by_fault"] == {"ambiguous_create": 1}
+    assert fate_ids(report, "ran_twice_undocumented") == [2]
+
+
 def test_a_frozen_listener_finishing_after_its_takeover_is_documented(rec: Recorder) -> None:
     rec.create(1, due_s=10)
     rec.run(1, 10.0, 30.5, pid=PID_A)  # frozen 10.2 .. 30.2, ends after resuming
@@ -443,13 +455,19 @@ def test_lateness_inside_and_outside_fault_windows(rec: Recorder) -> None:
     rec.fault("kill9", 399, 399)
     rec.run(1002, 400.5, 400.6, "fail")
     rec.run(1002, 430.0, 430.1, attempt=2)  # a retry: does not count for lateness
+    rec.create(1003, due_s=498)  # due before the fault, still waiting when it struck: inside
+    rec.fault("sigstop", 499, 510)
+    rec.run(1003, 503.0, 503.1)
     report = judge(rec)
     lateness = report["lateness"]
+    assert lateness["inside_by_fault"]["sigstop"] == {
+        "count": 1, "p50": 5000, "p99": 5000, "p99.9": 5000, "max": 5000
+    }  # fmt: skip
     assert lateness["outside"]["count"] == 101
     assert lateness["outside"]["p50"] == 20
     assert lateness["outside"]["p99"] == 30
     assert lateness["outside"]["max"] == 900
-    assert lateness["inside"] == {"count": 2, "p50": 500, "p99": 3000, "p99.9": 3000, "max": 3000}
+    assert lateness["inside"] == {"count": 3, "p50": 3000, "p99": 5000, "p99.9": 5000, "max": 5000}
     assert lateness["inside_by_fault"]["failover"]["max"] == 3000
     assert lateness["inside_by_fault"]["kill9"]["max"] == 500
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import importlib.util
 import json
 import math
 import os
@@ -753,6 +754,21 @@ class SoakRun:
         return f"keys NOT re-armed within {cap_s:g} s"
 
 
+def _commit() -> str | None:
+    """The commit of the keyexpiry source the run used, when it is a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def _pct(p: dict[str, Any]) -> str:
     if not p.get("count"):
         return "none"
@@ -792,16 +808,130 @@ def summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _row(name: str, p: dict[str, Any]) -> str:
+    cells = [p.get(k) for k in ("count", "p50", "p99", "p99.9", "max")]
+    return f"| {name} | " + " | ".join("-" if c is None else f"{c:,}" for c in cells) + " |"
+
+
+def markdown(report: dict[str, Any], images: str) -> str:
+    """A soak report as the Markdown section docs/RELIABILITY.md shows (`images`: where its
+    PNGs are, relative to the document)."""
+    v, cfg, m = report["verdict"], report["config"], report["machine"]
+    start_ms = int(report["params"]["start_ms"])
+    when = dt.datetime.fromtimestamp(start_ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    minutes = cfg["minutes"]
+    lines = [
+        f"## Endurance: {minutes:g} minutes of load with a fault every {cfg['fault_every_s']:g} s",
+        "",
+        f"`keyexpiry bench --scenario soak --minutes {minutes:g}` (`make soak "
+        f"SOAK_MINUTES={minutes:g}`), {when}"
+        + (f", commit {report['commit']}" if report.get("commit") else "")
+        + f", on {m['cpus']} cores, Redis {m['redis']}, "
+        f"{m['mariadb'].split(' Ver ')[-1].split(' for ')[0]}. Redis behind Sentinel (master, "
+        "replica, three sentinels), MariaDB, three listener processes restarted when they die "
+        "(two speak Sentinel, one reaches Redis through HAProxy), production settings but "
+        f"retention {cfg['retain_done_s']:g} s. A producer created {cfg['rate_per_s']} tasks/s due "
+        f"{cfg['min_due_s']:g} s to {cfg['max_due_s']:g} s ahead (log-uniform; a tenth tagged, a "
+        "tenth created in a transaction), rescheduled and cancelled some, cancelled some tags; "
+        "1 % of tasks fail once, 0.5 % always (dead after 3 attempts), 0.5 % outlast their 1 s "
+        "timeout once. The verdict below is computed from the history the producer and the "
+        "handlers wrote (`keyexpiry/bench/soak_verdict.py`), not from logs.",
+        "",
+        f"**Verdict: {'passed' if v['passed'] else 'FAILED'}.** {v['created']:,} tasks created.",
+        "",
+        # What was learnt from the run and changed since: kept with the run it is about.
+        *[f"- {note}" for note in report.get("notes", [])],
+        *([""] if report.get("notes") else []),
+        "| fate | tasks |",
+        "|---|---:|",
+    ]
+    lines += [f"| {name.replace('_', ' ')} | {f['count']:,} |" for name, f in v["fates"].items()]
+    lines += [f"| early start (> 5 ms before due) | {v['early']['starts']:,} |", ""]
+    if v["failures"]:
+        lines += [f"- FAILURE: {f}" for f in v["failures"]] + [""]
+    late = v["lateness"]
+    lines += [
+        "Lateness of each task's first start (ms; *inside*: its wait met a fault's window, "
+        f"from the fault's start to {report['params']['settle_s']:g} s after its end):",
+        "",
+        "| tasks | count | p50 | p99 | p99.9 | max |",
+        "|---|---:|---:|---:|---:|---:|",
+        _row("outside faults", late["outside"]),
+        _row("inside faults", late["inside"]),
+    ]
+    lines += [_row(f"inside {k}", p) for k, p in late["inside_by_fault"].items()]
+    lines += [
+        "",
+        "| at (min) | fault | lasted (s) | what happened |",
+        "|---:|---|---:|---|",
+    ]
+    for f in v["faults"]:
+        at_min = (f["start_ms"] - start_ms) / 60000
+        took_s = (f["end_ms"] - f["start_ms"]) / 1000
+        lines.append(f"| {at_min:.1f} | {f['fault']} | {took_s:.1f} | {f['detail']} |")
+    lines += [
+        "",
+        f"Growth after the {cfg['warm_up_s']:g} s warm-up (each listener process from its own "
+        "start plus the warm-up; *end*: median of the last three samples, every 10 s; the "
+        "limit is 10 %, and for counts also more than one):",
+        "",
+        "| slot / pid | samples | RSS MB median → end | fds | threads | ledger conns "
+        "| redis conns |",
+        "|---|---:|---|---|---|---|---|",
+    ]
+    for g in v["growth"]["listeners"]:
+        cells = []
+        for name in ("rss_mb", "fds", "threads", "ledger_conns", "redis_conns"):
+            mm = g["metrics"][name]
+            cells.append(
+                f"{mm['median']:g} → {mm['end']:g}" if "median" in mm else str(mm["status"])
+            )
+        lines.append(f"| {g['slot']} / {g['pid']} | {g['samples']} | " + " | ".join(cells) + " |")
+    srv, bound = v["growth"]["servers"], v["ledger_bound"]
+    for label, key in (
+        ("Redis used memory (bytes)", "redis_used_bytes"),
+        ("pending rows", "ledger_pending_rows"),
+    ):
+        mm = srv[key]
+        shown = f"{mm['median']:,.0f} → {mm['end']:,.0f}" if "median" in mm else mm["status"]
+        lines.append(f"\n{label}, median → end: {shown} ({mm['status']}).")
+    tp = v["throughput"]["ok_ends_per_s"]
+    lines += [
+        "",
+        f"Finished rows (done, dead, cancelled) peaked at {bound.get('max_finished_rows'):,} "
+        f"against a bound of {bound.get('bound_rows'):,} (rate x (retention + prune interval) x "
+        "1.25, plus the dead). Steady throughput, successful runs per second per 10 s: "
+        f"min {tp['min']}, median {tp['p50']}, max {tp['max']}.",
+        "",
+        f"![lateness]({images}/soak-lateness.png)",
+        "",
+        f"![throughput]({images}/soak-throughput.png)",
+        "",
+        f"![listeners]({images}/soak-listeners.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def run(
     cfg: SoakConfig, out_dir: Path, *, say: Callable[[str], None] = print, plots: bool = True
 ) -> dict[str, Any]:
     """Run a soak into `out_dir/<timestamp>/`; write `soak.json` (and PNGs); return the report."""
     from keyexpiry.bench import soak_verdict
 
+    skipped = None
+    if plots and importlib.util.find_spec("matplotlib") is None:
+        # Said before the run, not after it: the verdict does not need the plots.
+        skipped = "plots skipped: matplotlib is not installed (pip install 'keyexpiry[bench]')"
+        say(skipped)
+        plots = False
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir = (out_dir / stamp).resolve()
     report = SoakRun(cfg, run_dir, say).run()
+    if skipped:
+        report["plots_skipped"] = skipped
     report["machine"] = machine()
+    report["commit"] = _commit()
     say("  judging the history")
     history = soak_verdict.load(run_dir)
     report["verdict"] = soak_verdict.verdict_of(history, report["params"])

@@ -98,6 +98,8 @@ class ExpiryDriver:
         """`_LOOK_UP_ARGV` registered on each Cluster primary's client, by node name."""
         self._lock_key = driver_lock_key(rt.settings.key_prefix)
         self._lease_checked_ms = 0
+        self._reread = False
+        """Set by `reread` (another thread): the next step reads the whole window again."""
         self._last_pass_ms = -TICK_MS
 
     def start(self, errors: ThreadErrors | None = None) -> None:
@@ -132,6 +134,14 @@ class ExpiryDriver:
         if added:
             self._wake.set()
 
+    def reread(self) -> None:
+        """Read the whole window again at the next step: wakes published while this listener
+        was not subscribed (a dropped connection, a failover) were lost, and the tasks they
+        announced are inside the window already read, where only a wake would have put them
+        (found by the soak: such tasks waited up to 25 s for Redis's own sweep)."""
+        self._reread = True
+        self._wake.set()
+
     def pending_count(self) -> int:
         """Entries waiting in the window (for status and the benchmark)."""
         with self._lock:
@@ -163,6 +173,12 @@ class ExpiryDriver:
         if not self._hold_lock(now_ms):
             return 1.0
         window_ms = int(self.settings.driver_window_s * 1000)
+        if self._reread:
+            self._reread = False
+            with self._lock:
+                self._heap.clear()
+                # A little in the past, as a new driver starts: what fell due in the gap too.
+                self._horizon_ms = min(self._horizon_ms, now_ms - 5000)
         if self._horizon_ms - now_ms < window_ms // 2:
             self._read_window(now_ms, window_ms)
         next_pass = self._last_pass_ms + TICK_MS

@@ -277,6 +277,9 @@ class Listener:
     # --- what the parts do, by their old names ------------------------------------------------
     def request_reconcile(self, reason: str) -> None:
         """Run a reconciliation soon on the maintenance thread (coalesced)."""
+        # Whatever makes a reconciliation necessary (a gap in the subscription above all) may
+        # have lost wake messages too: the driver reads its window again.
+        self.driver.reread()
         self.maintenance.request(reason)
 
     def wait_reconciled(self, timeout_s: float) -> bool:
