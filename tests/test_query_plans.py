@@ -231,6 +231,17 @@ def _sent_statements(store: Store) -> Iterator[tuple[str, str, Any]]:
     engines = [e for e in (store.engine, store._autocommit) if e is not None]
     for engine in engines:
         event.listen(engine, "before_cursor_execute", capture)
+    # A MariaDB claim sends its statements straight to PyMySQL, back to back, with their values
+    # written in (`ClaimQueries._claim_pipelined`): no cursor event; seen where they are made.
+    texts = store._claim_texts
+
+    def claim_texts(*args: Any) -> list[str]:
+        made = texts(*args)
+        for statement in made:
+            capture(None, None, statement, None, None, False)
+        return made
+
+    store._claim_texts = claim_texts  # type: ignore[method-assign,assignment]
     try:
         for name, read in _reads(store).items():
             sent.clear()

@@ -301,6 +301,25 @@ class ClaimQueries(Ledger):
         }
         return list(found.values())
 
+    def _claim_texts(
+        self, parts: list[list[str]], now_ms: int, lease_until_ms: int, token: str, escape: Any
+    ) -> list[str]:
+        """The pipelined claim's statements with their values written in: every part's UPDATE,
+        then every part's read-back (`tests/test_query_plans.py` EXPLAINs them)."""
+        statements: list[str] = []
+        for part in parts:
+            keys = dict(zip(_KEY, part, strict=False))
+            update_values = {**keys, "now": now_ms, "token": token, "lease": lease_until_ms}
+            statements.append(
+                _render(self._prepare(_claim_update, len(part)), update_values, escape)
+            )
+        for part in parts:
+            keys = dict(zip(_KEY, part, strict=False))
+            statements.append(
+                _render(self._prepare(_claimed_rows, len(part)), {**keys, "token": token}, escape)
+            )
+        return statements
+
     def _claim_pipelined(
         self, conn: Connection, parts: list[list[str]], now_ms: int, lease_until_ms: int, token: str
     ) -> list[Any]:
@@ -323,19 +342,7 @@ class ClaimQueries(Ledger):
         if not all(hasattr(dbapi, name) for name in _PYMYSQL_READ):
             # A PyMySQL whose reply reading differs: one statement at a time, as before.
             return self._claim_statements(conn, parts, now_ms, lease_until_ms, token)
-        escape = dbapi.escape
-        statements: list[str] = []
-        for part in parts:
-            keys = dict(zip(_KEY, part, strict=False))
-            update_values = {**keys, "now": now_ms, "token": token, "lease": lease_until_ms}
-            statements.append(
-                _render(self._prepare(_claim_update, len(part)), update_values, escape)
-            )
-        for part in parts:
-            keys = dict(zip(_KEY, part, strict=False))
-            statements.append(
-                _render(self._prepare(_claimed_rows, len(part)), {**keys, "token": token}, escape)
-            )
+        statements = self._claim_texts(parts, now_ms, lease_until_ms, token, dbapi.escape)
         dialect = conn.dialect
         found: dict[int, Any] = {}
         error: BaseException | None = None

@@ -221,8 +221,16 @@ class MariaDBServer(_ServerProcess):
             conn = self.admin_connection(connect_timeout=1, read_timeout=2, write_timeout=2)
         except pymysql.MySQLError:
             return False
-        conn.close()
-        return True
+        try:
+            # Ours, not another server that took the port while ours restarted.
+            with conn.cursor() as cur:
+                cur.execute("SELECT @@datadir")
+                row = cur.fetchone()
+        except pymysql.MySQLError:
+            return False
+        finally:
+            conn.close()
+        return row is not None and Path(str(row[0])).resolve() == self.datadir.resolve()
 
 
 _DB_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")

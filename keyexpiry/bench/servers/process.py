@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,10 +61,40 @@ def free_port() -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((LOOPBACK, 0))
             port: int = sock.getsockname()[1]
-        if port not in _handed_out_ports:
+        if port not in _handed_out_ports and _reserve(port):
             _handed_out_ports.add(port)
             return port
     raise ServerError("could not find a free loopback port")  # pragma: no cover
+
+
+_RESERVED_DIR = Path(tempfile.gettempdir()) / "keyexpiry-ports"
+_RESERVED_S = 3600.0
+
+
+def _reserve(port: int) -> bool:
+    """Mark `port` as handed out for an hour, for every process on the machine.
+
+    A server restarted on its port (`restart()` keeps it) leaves it free for a moment; another
+    process (a second pytest-xdist worker) asking the kernel for a free port then may get it,
+    and its server answers the first one's clients (seen in CI: a test paused its MariaDB and a
+    query was answered anyway, by another worker's). A marker file per port, created with
+    O_EXCL, keeps processes from handing out the same port while it is in use."""
+    marker = _RESERVED_DIR / str(port)
+    try:
+        _RESERVED_DIR.mkdir(exist_ok=True)
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:
+            if time.time() - marker.stat().st_mtime < _RESERVED_S:
+                return False
+            os.utime(marker)  # an hour old: whoever had it is long done
+        except OSError:
+            return False
+        return True
+    except OSError:
+        return True  # no shared directory: the per-process set alone, as before
+    os.close(fd)
+    return True
 
 
 def wait_until(
