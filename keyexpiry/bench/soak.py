@@ -299,12 +299,15 @@ class Producer:
 
     def _retrying(self, what: str, fn: Callable[[], Any]) -> tuple[Any, int]:
         """Call `fn` until it returns (a real producer retries: a repeated create is safe);
-        return its value and how many calls failed."""
+        return its value and how many calls failed. A minute past the end of production it
+        gives up (raises): a server gone for good must not hang the run."""
         failed = 0
         while True:
             try:
                 return fn(), failed
             except Exception as exc:  # any outage: retry as a producer would
+                if time.monotonic() > self.stop_at + 60:
+                    raise
                 failed += 1
                 self.errors += 1
                 if failed in (1, 10, 100):

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from pymysql.connections import Connection as PyMySQLConnection
 from pymysql.constants import COMMAND
 from sqlalchemy import ClauseElement, Connection, CursorResult, Dialect, Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError, StatementError
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from keyexpiry.errors import StoreError
@@ -126,6 +126,21 @@ class Prepared:
         if self.order is None:
             return conn.exec_driver_sql(self.sql, params)
         return conn.exec_driver_sql(self.sql, tuple([params[name] for name in self.order]))
+
+
+def driver_error(conn: Connection, exc: Any, sql: str) -> StatementError:
+    """`exc`, raised by the driver itself on `conn` (a statement sent past SQLAlchemy), wrapped
+    as `exec_driver_sql` would: the connection is invalidated when the server is gone."""
+    dialect = conn.dialect
+    raw: Any = conn.connection.driver_connection
+    gone = dialect.is_disconnect(exc, raw, None) or not_serving(exc)
+    wrapped: StatementError = DBAPIError.instance(
+        sql[:300], None, exc, dialect.loaded_dbapi.Error,
+        connection_invalidated=gone, dialect=dialect,
+    )  # fmt: skip
+    if gone:
+        conn.invalidate(wrapped)
+    return wrapped
 
 
 class Ledger:
@@ -283,14 +298,7 @@ class Ledger:
                 affected += int(dbapi.next_result())
                 awaiting = False
             except dialect.loaded_dbapi.Error as exc:
-                gone = dialect.is_disconnect(exc, dbapi, None) or not_serving(exc)
-                wrapped = DBAPIError.instance(
-                    sql[:300], None, exc, dialect.loaded_dbapi.Error,
-                    connection_invalidated=gone, dialect=dialect,
-                )  # fmt: skip
-                if gone:
-                    conn.invalidate(wrapped)
-                raise wrapped from exc
+                raise driver_error(conn, exc, sql) from exc
             except Exception:
                 # Building the next statement failed (a request found wrong as it was read):
                 # the transaction is rolled back, on a connection whose reply is read first.

@@ -25,9 +25,9 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
-from keyexpiry.ledger.base import Ledger, Prepared, retried_once
+from keyexpiry.ledger.base import Ledger, Prepared, driver_error, retried_once
 from keyexpiry.ledger.recurring import readable_schedule
 from keyexpiry.ledger.rows import (
     CLAIM_SETS,
@@ -371,14 +371,7 @@ class ClaimQueries(Ledger):
             if error is not None:
                 raise error
         except dialect.loaded_dbapi.Error as exc:
-            gone = dialect.is_disconnect(exc, dbapi, None) or not_serving(exc)
-            wrapped = DBAPIError.instance(
-                statements[0][:300], None, exc, dialect.loaded_dbapi.Error,
-                connection_invalidated=gone, dialect=dialect,
-            )  # fmt: skip
-            if gone:
-                conn.invalidate(wrapped)
-            raise wrapped from exc
+            raise driver_error(conn, exc, statements[0]) from exc
         except BaseException:
             # Replies of commands sent may be unread (an interrupt): never reuse it.
             if sent:

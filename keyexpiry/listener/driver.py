@@ -49,25 +49,17 @@ return redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
 """
 # One command for a whole pass, where a pipeline costs the client a command to pack and a reply to
 # parse per key. A key past its due time is expired (and announced) by its lookup in the script
-# as by a plain PTTL.
-_LOOK_UP = """
-local out = {}
-for i = 1, #KEYS do
-  out[i] = redis.call('pttl', KEYS[i])
-end
-return out
-"""
-# On a Redis Cluster node: the same lookups, the keys passed as arguments. A script's declared
-# keys must share one slot (CROSSSLOT otherwise), but a script without a shebang may look up keys
-# of any slot its node serves: one command per primary per pass, where a pipeline cost the client a
-# command to pack and a reply to parse per key, and one that `_pttl_by_node` can send to every
+# as by a plain PTTL. The keys come as KEYS on one node; on a Redis Cluster node as ARGV: a
+# script's declared keys must share one slot (CROSSSLOT otherwise), but a script without a
+# shebang may look up keys of any slot its node serves, so `_pttl_by_node` sends one call to each
 # primary before reading any reply. A key its node does not serve (a slot moved since the
-# client's map was read) fails the call on the node ("non local key"); the pass then goes through
-# the cluster pipeline, which follows it.
-_LOOK_UP_ARGV = """
+# client's map was read) fails that call ("non local key"); the pass then goes through the
+# cluster pipeline, which follows it.
+_LOOK_UP = """
+local keys = #KEYS > 0 and KEYS or ARGV
 local out = {}
-for i = 1, #ARGV do
-  out[i] = redis.call('pttl', ARGV[i])
+for i = 1, #keys do
+  out[i] = redis.call('pttl', keys[i])
 end
 return out
 """
@@ -95,7 +87,7 @@ class ExpiryDriver:
         self._renew = self.redis.register_script(_RENEW)
         self._pttls = self.redis.register_script(_LOOK_UP)
         self._node_pttls: dict[str, Script] = {}
-        """`_LOOK_UP_ARGV` registered on each Cluster primary's client, by node name."""
+        """`_LOOK_UP` registered on each Cluster primary's client, by node name."""
         self._lock_key = driver_lock_key(rt.settings.key_prefix)
         self._lease_checked_ms = 0
         self._reread = False
@@ -237,8 +229,8 @@ class ExpiryDriver:
     def _pttl_each(self, keys: list[str]) -> list[int]:
         if self.rt.cluster is None:
             return list(self._pttls(keys=keys))
-        # Keys of many slots: one script call per primary (`_LOOK_UP_ARGV`); a slot that moved
-        # meanwhile goes through the cluster pipeline, which follows it.
+        # Keys of many slots: one script call per primary (keys as arguments); a slot that
+        # moved meanwhile goes through the cluster pipeline, which follows it.
         try:
             return self._pttl_by_node(keys)
         except redis.ResponseError:
@@ -266,7 +258,7 @@ class ExpiryDriver:
                 name = _node_name(node)
                 script = self._node_pttls.get(name)
                 if script is None:
-                    script = self._node_pttls[name] = node.register_script(_LOOK_UP_ARGV)
+                    script = self._node_pttls[name] = node.register_script(_LOOK_UP)
                 conn: Any = node.connection_pool.get_connection()
                 sent.append((node, script, positions, conn))
                 conn.send_command("EVALSHA", script.sha, 0, *[keys[i] for i in positions])
