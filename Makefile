@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV := $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# What runs keyexpiry (demo, listen, web): the package alone, none of the test extras
+# (playwright, mypy, matplotlib, ... would triple the venv of someone who only runs the demo).
+RUN_STAMP := $(VENV)/.run-stamp
 PYTEST_ARGS ?=
 # The peers benchmark has a venv of its own: arq pins redis-py below 6 (and brings hiredis), which
 # the main venv must not get (its mypy checks keyexpiry against the redis-py it really uses).
@@ -14,25 +17,29 @@ BENCH_ARGS ?= --runs 3
 
 SOAK_MINUTES ?= 10
 
-.PHONY: demo listen web test test-fast lint format servers reliability screenshots bench-peers soak clean
+.PHONY: demo listen web dist test test-fast lint format servers reliability screenshots bench-peers soak clean
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	@touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP) pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	@touch $(STAMP)
 
 ## demo: the main job on the embedded default (bundled redis-server + SQLite), nothing else needed
-demo: $(STAMP)
+demo: $(RUN_STAMP)
 	$(BIN)/keyexpiry demo
 
 ## listen: a listener for the example tasks on the embedded default (or KEYEXPIRY_* URLs)
-listen: $(STAMP)
+listen: $(RUN_STAMP)
 	$(BIN)/keyexpiry listen --tasks tasks.orders,tasks.auctions,tasks.refunds
 
 ## servers: the real redis-server, MariaDB and PostgreSQL the tests start on loopback ports (and
 ## faketime, the headless Chromium the dashboard's browser test drives, the `mariadb` and
-## `redis-cli` clients docs/PROTOCOL.md's test creates tasks with, PHP with PDO MySQL and phpredis
+## `redis-cli` clients docs/PROTOCOL.md's test creates tasks with, PHP with PDO MySQL, PDO PostgreSQL and phpredis
 ## the PHP producer's test (contrib/php) runs, and the Galera provider, rsync for its state
 ## transfers and HAProxy the fault suite's Galera cluster needs)
 servers:
@@ -41,10 +48,10 @@ servers:
 	  && test -f /usr/lib/galera/libgalera_smm.so && command -v rsync >/dev/null \
 	  && command -v haproxy >/dev/null && ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 \
 	  && command -v php >/dev/null \
-	  && php -r 'exit(extension_loaded("pdo_mysql") && extension_loaded("redis") ? 0 : 1);' \
+	  && php -r 'exit(extension_loaded("pdo_mysql") && extension_loaded("pdo_pgsql") && extension_loaded("redis") ? 0 : 1);' \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	  redis-server redis-tools mariadb-server mariadb-client faketime chromium galera-4 rsync haproxy \
-	  postgresql php-cli php-mysql php-redis; }
+	  postgresql php-cli php-mysql php-pgsql php-redis; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check keyexpiry tasks tests examples
@@ -65,7 +72,7 @@ test-fast: $(STAMP) servers
 	$(BIN)/pytest -n 2 --ignore=tests/faults --ignore=tests/test_web_browser.py $(PYTEST_ARGS)
 
 ## web: the dashboard on http://127.0.0.1:8080/ (loopback only unless KEYEXPIRY_WEB_TOKEN is set)
-web: $(STAMP)
+web: $(RUN_STAMP)
 	$(BIN)/keyexpiry web --tasks tasks.orders,tasks.auctions,tasks.refunds
 
 ## screenshots: the dashboard in headless Chromium, written to docs/dashboard*.png
@@ -91,5 +98,10 @@ bench-peers: $(PEERS_STAMP) servers
 soak: $(STAMP) servers
 	$(BIN)/keyexpiry bench --scenario soak --minutes $(SOAK_MINUTES)
 
+## dist: a wheel in dist/ (keyexpiry is not on a package index yet: `pip install dist/keyexpiry-*.whl`)
+dist: $(RUN_STAMP)
+	rm -rf dist
+	$(BIN)/pip wheel -q --no-deps -w dist .
+
 clean:
-	rm -rf .venv .venv-python3* $(PEERS_VENV) .mypy_cache .ruff_cache .pytest_cache build
+	rm -rf .venv .venv-python3* $(PEERS_VENV) .mypy_cache .ruff_cache .pytest_cache build dist

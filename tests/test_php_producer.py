@@ -1,12 +1,12 @@
-"""contrib/php/: the PHP producer (PDO and phpredis, as Debian's php-cli, php-mysql and php-redis
-install them) creates, reschedules and cancels tasks as docs/PROTOCOL.md says, against a real
-MariaDB and Redis, and a Python listener runs them.
+"""contrib/php/: the PHP producer (PDO and phpredis, as Debian's php-cli, php-mysql, php-pgsql and
+php-redis install them) creates, reschedules and cancels tasks as docs/PROTOCOL.md says, against a
+real MariaDB or PostgreSQL and a real Redis, and a Python listener runs them.
 
 PHP is driven through `contrib/php/cli.php` (JSON commands on stdin, one answer per command); the
 assertions use keyexpiry: the keys PHP makes are the ones `Client.key_for` makes for the same
 values, the rows are the ones the listener reads, and the runs are the handlers' own records
-(`tests.sample_tasks`). Without `php` (and its pdo_mysql and redis modules) the tests are skipped,
-and fail when `CI` is set.
+(`tests.sample_tasks`). Without `php` (and its redis module, and pdo_mysql or pdo_pgsql for the
+ledger's server) the tests are skipped, and fail when `CI` is set.
 """
 
 from __future__ import annotations
@@ -49,8 +49,23 @@ _BLOCK = re.compile(r"^```\w+ protocol:([\w-]+)\n(.*?)^```", re.MULTILINE | re.D
 BLOCKS = {m.group(1): m.group(2) for m in _BLOCK.finditer(DOC.read_text(encoding="utf-8"))}
 """PROTOCOL.md's fenced blocks marked `protocol:NAME`, by name (as tests/test_protocol.py reads
 them)."""
-PHP_MODULES = ("json", "PDO", "pdo_mysql", "redis")
-"""What the producer needs of PHP: Debian's php-cli, php-mysql and php-redis."""
+PHP_MODULES = ("json", "PDO", "redis")
+"""What the producer needs of PHP whatever the ledger: Debian's php-cli and php-redis."""
+PDO_DRIVERS = {"mysql": ("pdo_mysql", "php-mysql"), "pg": ("pdo_pgsql", "php-pgsql")}
+"""The PDO driver each ledger server needs (module, Debian package), by `*_url` fixture."""
+
+
+def _missing_modules(php: str, modules: tuple[str, ...], packages: str) -> None:
+    """Skip (fail under CI) unless `php -m` lists every one of `modules`."""
+    listed = subprocess.run(
+        [php, "-m"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout.split()
+    missing = [m for m in modules if m not in listed]
+    if missing:
+        message = f"php lacks the modules {missing} (Debian packages {packages})"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI is set, so this is an error", pytrace=False)
+        pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
@@ -58,38 +73,46 @@ def php() -> str:
     """The `php` binary, with the modules the producer needs; skipped without them (failed
     under CI)."""
     path = _require("php")
-    listed = subprocess.run(
-        [path, "-m"], capture_output=True, text=True, timeout=30, check=False
-    ).stdout.split()
-    missing = [m for m in PHP_MODULES if m not in listed]
-    if missing:
-        message = f"php lacks the modules {missing} (Debian packages php-mysql, php-redis)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI is set, so this is an error", pytrace=False)
-        pytest.skip(message)
+    _missing_modules(path, PHP_MODULES, "php-cli, php-redis")
     return path
 
 
+@pytest.fixture(params=[pytest.param("mysql", id="mariadb"), pytest.param("pg", id="postgres")])
+def php_db_url(request: pytest.FixtureRequest, php: str) -> str:
+    """A fresh ledger database on MariaDB, then on PostgreSQL, with PHP's driver for it."""
+    module, package = PDO_DRIVERS[request.param]
+    _missing_modules(php, (module,), package)
+    url: str = request.getfixturevalue(f"{request.param}_url")
+    return url
+
+
 class PhpProducer:
-    """`contrib/php/cli.php` with a MariaDB and a Redis (or none: keys and checks only)."""
+    """`contrib/php/cli.php` with a MariaDB or PostgreSQL and a Redis (or none: keys and checks
+    only). `charset`: the MySQL connection's; `client_encoding`: the PostgreSQL one's (None: the
+    server's default)."""
 
     def __init__(
         self,
         php: str,
-        mysql_url: str | None = None,
+        db_url: str | None = None,
         redis_url: str | None = None,
         *,
         prefix: str = "",
         charset: str = "utf8mb4",
+        client_encoding: str | None = None,
     ) -> None:
         self.php = php
         self.config: dict[str, Any] = {"prefix": prefix}
-        if mysql_url is not None:
-            url = make_url(mysql_url)
-            self.config["mysql"] = {
+        if db_url is not None:
+            url = make_url(db_url)
+            connection = {
                 "host": url.host, "port": url.port, "database": url.database,
-                "user": url.username, "password": url.password or "", "charset": charset,
+                "user": url.username, "password": url.password or "",
             }  # fmt: skip
+            if url.get_backend_name() == "postgresql":
+                self.config["pgsql"] = {**connection, "client_encoding": client_encoding}
+            else:
+                self.config["mysql"] = {**connection, "charset": charset}
         if redis_url is not None:
             parts = urlsplit(redis_url)
             self.config["redis"] = {
@@ -172,7 +195,11 @@ def _without_payload(sql: str) -> str:
 def test_the_php_statements_are_the_protocols(php: str) -> None:
     (sql,) = PhpProducer(php).ok({"op": "sql"})
     assert _same_sql(sql["cancel"]) == _same_sql(BLOCKS["cancel"])
-    for name, block in (("create", "create"), ("create_mysql8", "create-mysql8")):
+    for name, block in (
+        ("create", "create"),
+        ("create_mysql8", "create-mysql8"),
+        ("create_postgres", "create-postgres"),
+    ):
         documented = BLOCKS[block]
         if "payload" in documented:
             assert _same_sql(sql[name.replace("create", "create_payload")]) == _same_sql(documented)
@@ -387,14 +414,15 @@ def test_php_tag_and_schedule_checks_are_keyexpirys(php: str) -> None:
             assert delays(json.loads(answer["ok"]), "s", KeyExpiryError) == accepted
 
 
-# --- against MariaDB and Redis, with a listener ---------------------------------------------------
+# --- against MariaDB or PostgreSQL and Redis, with a listener -------------------------------------
 
 
 @pytest.fixture
-def ledger(mysql_url: str, redis_url: str, tmp_path: Path) -> Iterator[tuple[Settings, Client]]:
-    """Fast settings on MariaDB, and a client (which makes the table) to look at the rows."""
+def ledger(php_db_url: str, redis_url: str, tmp_path: Path) -> Iterator[tuple[Settings, Client]]:
+    """Fast settings on MariaDB or PostgreSQL, and a client (which makes the table) to look at
+    the rows."""
     sample_tasks.reset()
-    settings = make_settings(redis_url, mysql_url, tmp_path)
+    settings = make_settings(redis_url, php_db_url, tmp_path)
     client = Client(settings)
     yield settings, client
     sample_tasks.reset()
@@ -402,8 +430,8 @@ def ledger(mysql_url: str, redis_url: str, tmp_path: Path) -> Iterator[tuple[Set
 
 
 @pytest.fixture
-def producer(php: str, mysql_url: str, redis_url: str) -> PhpProducer:
-    return PhpProducer(php, mysql_url, redis_url)
+def producer(php: str, php_db_url: str, redis_url: str) -> PhpProducer:
+    return PhpProducer(php, php_db_url, redis_url)
 
 
 def _row(client: Client, key: str) -> TaskRow:
@@ -650,15 +678,16 @@ def test_php_creates_and_cancels_in_a_business_transaction(
     assert sample_tasks.CALLS[committed] == 1 and sample_tasks.CALLS[rolled_back] == 0
 
 
-def test_php_refuses_a_connection_that_is_not_utf8mb4(
-    php: str, mysql_url: str, redis_url: str, ledger: tuple[Settings, Client]
+def test_php_refuses_a_connection_that_is_not_utf8(
+    php: str, php_db_url: str, redis_url: str, ledger: tuple[Settings, Client]
 ) -> None:
     """Over latin1 a non-ASCII argument would reach the row as other text than the key's."""
     _, client = ledger
-    (answer,) = PhpProducer(php, mysql_url, redis_url, charset="latin1").run(
-        create("Probe.record", "café", ttl_ms=60_000)
-    )
-    assert answer["error"] == "LogicException" and "utf8mb4" in answer["message"]
+    postgres = make_url(php_db_url).get_backend_name() == "postgresql"
+    latin1 = PhpProducer(php, php_db_url, redis_url, charset="latin1", client_encoding="LATIN1")
+    (answer,) = latin1.run(create("Probe.record", "café", ttl_ms=60_000))
+    assert answer["error"] == "LogicException"
+    assert ("client_encoding" if postgres else "utf8mb4") in answer["message"]
     assert client.get("Probe.record", "café") is None
 
 

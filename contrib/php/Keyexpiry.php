@@ -5,8 +5,9 @@
  * docs/PROTOCOL.md says (one row in `time_limit_task`, then one Redis key that expires at the
  * task's due time); a Python keyexpiry listener runs them.
  *
- * One file, no framework: PDO (pdo_mysql) and phpredis, as Debian's php-cli, php-mysql and
- * php-redis install them. PHP 8.2. See README.md next to this file.
+ * One file, no framework: PDO (pdo_mysql for a MySQL/MariaDB ledger, pdo_pgsql for a PostgreSQL
+ * one) and phpredis, as Debian's php-cli, php-mysql or php-pgsql, and php-redis install them.
+ * PHP 8.2. See README.md next to this file.
  */
 
 declare(strict_types=1);
@@ -40,6 +41,8 @@ final class Producer
     private const NAME = '/^[A-Za-z][A-Za-z0-9_]*$/D';
 
     private ?bool $rowAlias;
+    /** The ledger's SQL: PROTOCOL.md's PostgreSQL create, else its MySQL one. */
+    private readonly bool $postgres;
     private bool $charsetChecked = false;
     /** @var list<array{string, string, int}> keys to arm ('set', key, due) or delete ('del') after COMMIT */
     private array $afterCommit = [];
@@ -47,8 +50,9 @@ final class Producer
     private ?string $lastOutcome = null;
 
     /**
-     * @param \PDO   $pdo    a MySQL/MariaDB connection to the listeners' ledger; its DSN must say
-     *                       `charset=utf8mb4`. Errors are thrown whatever its ATTR_ERRMODE.
+     * @param \PDO   $pdo    a connection to the listeners' ledger: MySQL/MariaDB (pdo_mysql), its
+     *                       DSN saying `charset=utf8mb4`, or PostgreSQL (pdo_pgsql), its
+     *                       client_encoding UTF8. Errors are thrown whatever its ATTR_ERRMODE.
      * @param \Redis $redis  connected to the listeners' Redis, with their database selected
      *                       (the number in their KEYEXPIRY_REDIS_URL).
      * @param string $prefix the listeners' KEYEXPIRY_KEY_PREFIX ('' by default).
@@ -56,7 +60,9 @@ final class Producer
      *                       it is announced on the wake channel.
      * @param int    $payloadMaxBytes the listeners' KEYEXPIRY_PAYLOAD_MAX_BYTES.
      * @param ?bool  $rowAlias the MySQL 8.0.20+ form of the create (`AS new` instead of
-     *                       `VALUES()`); null: decided from the server's version.
+     *                       `VALUES()`); null: decided from the server's version. Unused on
+     *                       PostgreSQL.
+     * @throws \LogicException for a PDO of another driver than mysql or pgsql.
      */
     public function __construct(
         private readonly \PDO $pdo,
@@ -68,6 +74,13 @@ final class Producer
     ) {
         self::checkPrefix($prefix);
         $this->rowAlias = $rowAlias;
+        $driver = (string) $pdo->getAttribute(\PDO::ATTR_DRIVER_NAME);
+        if ($driver !== 'mysql' && $driver !== 'pgsql') {
+            throw new \LogicException(
+                "the ledger is MySQL/MariaDB (pdo_mysql) or PostgreSQL (pdo_pgsql); this PDO's driver is $driver"
+            );
+        }
+        $this->postgres = $driver === 'pgsql';
     }
 
     // --- keys ----------------------------------------------------------------------------------
@@ -248,17 +261,43 @@ final class Producer
      */
     public static function createSql(bool $rowAlias = false, bool $withPayload = false): string
     {
-        $new = $rowAlias ? fn (string $c) => "new.$c" : fn (string $c) => "VALUES($c)";
+        return $rowAlias
+            ? self::upsertSql(fn (string $c) => "new.$c", ' AS new', 'ON DUPLICATE KEY UPDATE', '', $withPayload)
+            : self::upsertSql(fn (string $c) => "VALUES($c)", '', 'ON DUPLICATE KEY UPDATE', '', $withPayload);
+    }
+
+    /**
+     * The create statement on a PostgreSQL ledger (docs/PROTOCOL.md): its one column is true
+     * for a new key, false for an existing row reset.
+     */
+    public static function createPostgresSql(bool $withPayload = false): string
+    {
+        return self::upsertSql(
+            fn (string $c) => "excluded.$c",
+            '',
+            'ON CONFLICT (task_key) DO UPDATE SET',
+            "\nRETURNING (xmax = 0) AS inserted",
+            $withPayload,
+        );
+    }
+
+    /** One create statement: `$new('col')` names the value being written. */
+    private static function upsertSql(
+        \Closure $new,
+        string $alias,
+        string $onConflict,
+        string $returning,
+        bool $withPayload,
+    ): string {
         $table = self::TABLE;
         $payloadColumn = $withPayload ? ', payload' : '';
         $payloadValue = $withPayload ? ', ?' : '';
-        $alias = $rowAlias ? ' AS new' : '';
         $payloadSet = $withPayload ? ",\n    payload = coalesce({$new('payload')}, $table.payload)" : '';
         return <<<SQL
             INSERT INTO $table (task_key, class_name, method, args, status, attempts,
                 retry_schedule_s, due_at_ms, created_at_ms, updated_at_ms, tag$payloadColumn, traceparent)
             VALUES (?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?, ?$payloadValue, ?)$alias
-            ON DUPLICATE KEY UPDATE args = {$new('args')}, status = 'pending', attempts = 0,
+            $onConflict args = {$new('args')}, status = 'pending', attempts = 0,
                 retry_schedule_s = {$new('retry_schedule_s')}, due_at_ms = {$new('due_at_ms')},
                 created_at_ms = {$new('created_at_ms')},
                 updated_at_ms = CASE WHEN ($table.updated_at_ms >= {$new('updated_at_ms')}
@@ -266,7 +305,7 @@ final class Producer
                     THEN $table.updated_at_ms + 1 ELSE {$new('updated_at_ms')} END,
                 started_at_ms = NULL, finished_at_ms = NULL, claimed_by = NULL, lease_until_ms = NULL,
                 last_error = NULL, tag = coalesce({$new('tag')}, $table.tag), result = NULL$payloadSet,
-                traceparent = {$new('traceparent')}
+                traceparent = {$new('traceparent')}$returning
             SQL;
     }
 
@@ -374,9 +413,15 @@ final class Producer
         }
         $params[] = $this->traceparent;  // null: no trace for the handler's span to continue
         $this->checkCharset();
-        $changed = $this->execute(self::createSql($this->rowAlias(), $withPayload), $params);
-        // 1: a new key; 2: an existing row reset (docs/PROTOCOL.md).
-        $this->lastOutcome = $changed === 1 ? 'created' : 'replaced';
+        if ($this->postgres) {
+            $inserted = $this->execute(self::createPostgresSql($withPayload), $params, fetch: true);
+            // A boolean, or its text under ATTR_STRINGIFY_FETCHES.
+            $this->lastOutcome = in_array($inserted, [true, 1, '1', 't'], true) ? 'created' : 'replaced';
+        } else {
+            $changed = $this->execute(self::createSql($this->rowAlias(), $withPayload), $params);
+            // 1: a new key; 2: an existing row reset (docs/PROTOCOL.md).
+            $this->lastOutcome = $changed === 1 ? 'created' : 'replaced';
+        }
         $this->lastDueAtMs = $due;
         // Row first, then the key: a row without a key is repaired by the listener; a key
         // without a row never runs.
@@ -400,7 +445,8 @@ final class Producer
         }
     }
 
-    private function execute(string $sql, array $params): int
+    /** Run `$sql`: its affected rows, or with `$fetch` its first row's first column. */
+    private function execute(string $sql, array $params, bool $fetch = false): mixed
     {
         $mode = $this->pdo->getAttribute(\PDO::ATTR_ERRMODE);
         $this->pdo->setAttribute(\PDO::ATTR_ERRMODE, \PDO::ERRMODE_EXCEPTION);
@@ -415,7 +461,7 @@ final class Producer
                 $stmt->bindValue($i + 1, $value, $type);
             }
             $stmt->execute();
-            return $stmt->rowCount();
+            return $fetch ? $stmt->fetchColumn() : $stmt->rowCount();
         } finally {
             $this->pdo->setAttribute(\PDO::ATTR_ERRMODE, $mode);
         }
@@ -444,7 +490,10 @@ final class Producer
         return $this->rowAlias;
     }
 
-    /** Non-ASCII arguments, tags and payloads reach the ledger intact only over utf8mb4. */
+    /**
+     * Non-ASCII arguments, tags and payloads reach the ledger intact only over utf8mb4 (MySQL)
+     * or UTF8 (PostgreSQL): the server would convert them from another encoding.
+     */
     private function checkCharset(): void
     {
         if ($this->charsetChecked) {
@@ -453,11 +502,17 @@ final class Producer
         $mode = $this->pdo->getAttribute(\PDO::ATTR_ERRMODE);
         $this->pdo->setAttribute(\PDO::ATTR_ERRMODE, \PDO::ERRMODE_EXCEPTION);
         try {
-            $charset = $this->pdo->query('SELECT @@character_set_client')->fetchColumn();
+            $sql = $this->postgres ? 'SHOW client_encoding' : 'SELECT @@character_set_client';
+            $charset = $this->pdo->query($sql)->fetchColumn();
         } finally {
             $this->pdo->setAttribute(\PDO::ATTR_ERRMODE, $mode);
         }
-        if ($charset !== 'utf8mb4') {
+        if ($this->postgres && $charset !== 'UTF8') {
+            throw new \LogicException(
+                "the PDO connection's client_encoding is $charset: put options='--client_encoding=UTF8' in its DSN"
+            );
+        }
+        if (!$this->postgres && $charset !== 'utf8mb4') {
             throw new \LogicException(
                 "the PDO connection's character set is $charset: put charset=utf8mb4 in its DSN"
             );

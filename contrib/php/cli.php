@@ -9,6 +9,9 @@
  *
  *     {"mysql": {"host": "127.0.0.1", "port": 3306, "database": "shop", "user": "root",
  *                "password": "", "charset": "utf8mb4"},          (optional: key/decimal/sql only)
+ *      "pgsql": {"host": "127.0.0.1", "port": 5432, "database": "shop", "user": "postgres",
+ *                "password": "", "client_encoding": null},      (instead of "mysql"; null
+ *                                                                 encoding: the server's default)
  *      "redis": {"host": "127.0.0.1", "port": 6379, "db": 0, "password": null},   (optional too)
  *      "prefix": "",
  *      "commands": [{"op": "create", "task": "Probe.record", "args": ["x"], "ttl_ms": 500}, ...]}
@@ -22,7 +25,8 @@
  *     decimal    value                          → Producer::decimal(value)
  *     check_tag  tag                            → Producer::checkTag(tag)
  *     check_schedule schedule                   → Producer::scheduleJson(schedule)
- *     sql                                       → the create and cancel statements
+ *     sql                                       → the create (MySQL, PostgreSQL) and cancel
+ *                                                 statements
  *     now                                       → Redis's time in epoch ms
  *     create     task, args, ttl_ms, [tag, retry_schedule, payload]
  *     create_at  task, args, due_at_ms, [tag, retry_schedule, payload]
@@ -56,6 +60,19 @@ function connect_mysql(?object $c): ?PDO
     return new PDO($dsn, $c->user ?? 'root', $c->password ?? '', [PDO::ATTR_ERRMODE => PDO::ERRMODE_EXCEPTION]);
 }
 
+function connect_pgsql(?object $c): ?PDO
+{
+    if ($c === null) {
+        return null;
+    }
+    $dsn = sprintf('pgsql:host=%s;port=%d;dbname=%s', $c->host ?? '127.0.0.1', $c->port ?? 5432, $c->database);
+    if (($c->client_encoding ?? null) !== null) {
+        // libpq's connection options, as a DSN says them.
+        $dsn .= ";options='--client_encoding={$c->client_encoding}'";
+    }
+    return new PDO($dsn, $c->user ?? 'postgres', $c->password ?? '', [PDO::ATTR_ERRMODE => PDO::ERRMODE_EXCEPTION]);
+}
+
 function connect_redis(?object $c): ?Redis
 {
     if ($c === null) {
@@ -87,12 +104,12 @@ function answer(callable $run): array
 
 $input = json_decode(stream_get_contents(STDIN), false, 512, JSON_THROW_ON_ERROR);
 $prefix = $input->prefix ?? '';
-$pdo = connect_mysql($input->mysql ?? null);
+$pdo = connect_mysql($input->mysql ?? null) ?? connect_pgsql($input->pgsql ?? null);
 $redis = connect_redis($input->redis ?? null);
 $producer = $pdo !== null && $redis !== null ? new Producer($pdo, $redis, $prefix) : null;
 
 $need = function () use ($producer): Producer {
-    return $producer ?? throw new LogicException('this command needs "mysql" and "redis"');
+    return $producer ?? throw new LogicException('this command needs "mysql" or "pgsql", and "redis"');
 };
 
 $answers = [];
@@ -118,6 +135,8 @@ foreach ($input->commands as $cmd) {
                     'create_mysql8' => Producer::createSql(true, false),
                     'create_payload' => Producer::createSql(false, true),
                     'create_payload_mysql8' => Producer::createSql(true, true),
+                    'create_postgres' => Producer::createPostgresSql(false),
+                    'create_payload_postgres' => Producer::createPostgresSql(true),
                     'cancel' => Producer::CANCEL_SQL,
                 ];
             case 'now':
