@@ -131,6 +131,7 @@ class AsyncClient:
     pause = _in_thread(Client.pause)
     resume = _in_thread(Client.resume)
     paused = _in_thread(Client.paused)
+    read_pauses = _in_thread(Client.read_pauses)
     held = _in_thread(Client.held)
     schedule = _in_thread(Client.schedule)
     schedules = _in_thread(Client.schedules)

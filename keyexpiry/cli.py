@@ -272,6 +272,10 @@ def create(
         raise ConfigError("give exactly one of --ttl, --ttl-ms or --at")
     document = None
     if payload is not None:
+        from keyexpiry.limits import MAX_JSON_DEPTH, json_too_deep
+
+        if json_too_deep(payload):  # before decoding it: that is what would fail
+            raise ArgumentError(f"--payload is nested deeper than {MAX_JSON_DEPTH} levels")
         try:
             document = json.loads(payload)
         except ValueError as exc:
@@ -463,23 +467,34 @@ def paused(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
-    """The pauses in force: target, since, until, reason."""
+    """The pauses in force: target, since, until, reason; malformed pause rows counted."""
+    from keyexpiry.keys import clip
     from keyexpiry.printable import printable
 
     with _plain_client(_settings(ctx)) as client:
-        pauses = client.paused()
+        read = client.read_pauses()
+    pauses = read.pauses
     if as_json:
         for p in pauses:
             typer.echo(json.dumps(p.to_json()))
-        return
-    if not pauses:
+    elif not pauses:
         typer.echo("nothing is paused")
-        return
-    typer.echo(f"{'TARGET':<30} {'SINCE':<29}  {'UNTIL':<29}  REASON")
-    for p in pauses:
-        end = "until resumed" if p.until_ms is None else _local_time(p.until_ms)
-        line = f"{p.target:<30} {_local_time(p.paused_at_ms):<29}  {end:<29}  {p.reason or ''}"
-        typer.echo(printable(line.rstrip()))
+    else:
+        typer.echo(f"{'TARGET':<30} {'SINCE':<29}  {'UNTIL':<29}  REASON")
+        for p in pauses:
+            end = "until resumed" if p.until_ms is None else _local_time(p.until_ms)
+            since = _local_time(p.paused_at_ms)
+            line = f"{p.target:<30} {since:<29}  {end:<29}  {p.reason or ''}"
+            typer.echo(printable(line.rstrip()))
+    # On stderr: stdout stays the pauses alone (`--json` is read by programs).
+    for bad in read.malformed:
+        typer.echo(
+            printable(f"malformed pause row {clip(bad.target, 60)}: {bad.problem}"), err=True
+        )
+    if read.malformed:
+        typer.echo(
+            f"{len(read.malformed)} malformed pause row(s) skipped: they pause nothing", err=True
+        )
 
 
 def _schedule_task(s: ScheduleRow) -> str:
@@ -511,12 +526,19 @@ def list_schedules(
     """The recurring schedules: name, state (active, paused, ended), task, when it runs, next
     run and last run."""
     from keyexpiry.printable import printable
+    from keyexpiry.recurring import live_classes, unregistered, unregistered_note
 
     with _plain_client(_settings(ctx)) as client:
-        rows = client.schedules()
+        rows, problems = client.store.schedules_and_problems()
+        classes = live_classes(client.rt)
+    flagged = unregistered(rows, classes)
+    for problem in problems:  # a malformed row is said, and the others still list
+        typer.echo(printable(f"warning: {problem} (ignored)"), err=True)
     if as_json:
         for s in rows:
-            typer.echo(json.dumps(s.to_json()))
+            # `registered`: whether a live listener registers its class (null: cannot tell).
+            registered = None if classes is None else s.name not in flagged
+            typer.echo(json.dumps({**s.to_json(), "registered": registered}))
         return
     if not rows:
         typer.echo("no schedules")
@@ -531,6 +553,9 @@ def list_schedules(
             f"{nxt:<29}  {_last_run(s)}"
         )
         typer.echo(printable(line))  # names and arguments are text from outside: one line
+    for s in rows:
+        if s.name in flagged:
+            typer.echo(printable(f"warning: {unregistered_note(s, classes)}"), err=True)
 
 
 schedule_app = typer.Typer(
@@ -581,10 +606,32 @@ def schedule_resume(ctx: typer.Context, name: str = typer.Argument(..., metavar=
     if after.occurrence_ms is None:
         nxt = "it has ended: nothing more runs"
     elif after.occurrence_ms <= now_ms:
-        nxt = f"it catches up now (catch_up={after.catch_up})"
+        nxt = _catching_up(after, now_ms)
     else:
         nxt = f"next run {_local_time(after.occurrence_ms)}"
     typer.echo(printable(f"resumed schedule {name}: {nxt}"))
+
+
+def _catching_up(s: ScheduleRow, now_ms: int) -> str:
+    """What a resumed schedule whose occurrence is due does now, by its catch_up."""
+    from keyexpiry.schedules import plan_run
+
+    assert s.occurrence_ms is not None
+    rec = s.recurrence
+    plan = plan_run(rec, s.occurrence_ms, now_ms, s.anchor_ms, s.catch_up, s.catch_up_max)
+    if not plan.missed:
+        return f"the run due {_local_time(s.occurrence_ms)} runs now"
+    missed = f"runs missed since {_local_time(s.occurrence_ms)}"
+    if not plan.run:  # catch_up="none"
+        nxt = rec.after(now_ms, s.anchor_ms)
+        then = "it has ended" if nxt is None else f"next run {_local_time(nxt)}"
+        return f"{missed}, skipped (catch_up=none); {then}"
+    if s.catch_up == "latest":
+        return f"{missed}: one run now, for the latest ({_local_time(plan.scheduled_for_ms)})"
+    return (
+        f"{missed}: each runs now in turn (catch_up=all, the last {s.catch_up_max} at most), "
+        f"from {_local_time(plan.scheduled_for_ms)}"
+    )
 
 
 @schedule_app.command("remove")
@@ -648,28 +695,34 @@ def web(
     ),
     tasks: str = TasksOpt,
 ) -> None:
-    """Serve the dashboard (set KEYEXPIRY_WEB_TOKEN to require a token and bind beyond loopback)."""
-    import uvicorn
-
+    """Serve the dashboard (set KEYEXPIRY_WEB_TOKEN to require a token and bind beyond loopback;
+    KEYEXPIRY_WEB_TRUSTED_PROXIES to read X-Forwarded-For from the proxies listed)."""
     from keyexpiry.settings import parse_bind
     from keyexpiry.web import create_app
     from keyexpiry.web.security import is_loopback
+    from keyexpiry.web.serve import DashboardServer
 
     host, port = parse_bind(bind, "--bind")
     token = os.environ.get("KEYEXPIRY_WEB_TOKEN") or None
-    if token is None:
-        if not is_loopback(host):
-            raise ConfigError(
-                f"--bind {bind}: without KEYEXPIRY_WEB_TOKEN the dashboard binds to loopback only"
-            )
-        logger.warning(
-            "no KEYEXPIRY_WEB_TOKEN: serving loopback clients only, without authentication"
+    if token is None and not is_loopback(host):
+        raise ConfigError(
+            f"--bind {bind}: without KEYEXPIRY_WEB_TOKEN the dashboard binds to loopback only"
         )
     settings = _settings(ctx, tasks=_tasks(tasks))
     load_task_modules(settings.tasks)
-    app_ = create_app(settings, token=token)
-    logger.info("dashboard on http://{}:{}/", host if ":" not in host else f"[{host}]", port)
-    uvicorn.run(app_, host=host, port=port, log_level="warning", access_log=False)
+    app_ = create_app(settings, token=token)  # refuses what it cannot serve safely, first
+    if token is None:
+        logger.warning(
+            "no KEYEXPIRY_WEB_TOKEN: serving loopback clients only, without authentication"
+        )
+    server = DashboardServer(app_, host, port, trusted_proxies=settings.web_trusted_proxies)
+    logger.info(
+        "dashboard on http://{}:{}/ (at most {} connections)",
+        host if ":" not in host else f"[{host}]",
+        server.port,
+        server.connection_cap,
+    )
+    server.run()
 
 
 @app.command()

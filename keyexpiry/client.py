@@ -23,8 +23,9 @@ from keyexpiry.errors import (
     UnknownTaskError,
 )
 from keyexpiry.keys import braces_unescaped, clip, format_key, shorten
+from keyexpiry.ledger.pauses import PausesRead
 from keyexpiry.ledger.recurring import ScheduleRow
-from keyexpiry.ledger.rows import task_status
+from keyexpiry.ledger.rows import MalformedRows, task_status
 from keyexpiry.ledger.scheduling import Did, IfExists, Rule, Scheduled
 from keyexpiry.ledger.store import NewTask, Store, TaskRow, TaskStatus
 from keyexpiry.ledger.transactions import Tx, after_commit, check_same_database, connection_of
@@ -97,6 +98,7 @@ class Client:
         self.settings, self.registry, self.store = self.rt.settings, self.rt.registry, self.rt.store
         self.redis, self.clock = self.rt.redis, self.rt.clock
         self._ledger_identity: tuple[str, ...] | None = None
+        self._malformed_pauses = MalformedRows()
         if ensure_schema:
             self.store.create_schema()
 
@@ -435,8 +437,19 @@ class Client:
         return was_paused
 
     def paused(self) -> builtins.list[Pause]:
-        """The pauses in force now, sorted by target."""
-        return self.store.pauses(self._now_ms())
+        """The pauses in force now, sorted by target. A malformed pause row (written by hand
+        or by another program) pauses nothing: it is left out, and logged once."""
+        read = self.read_pauses()
+        for bad in read.malformed:
+            self._malformed_pauses.report(
+                f"keyexpiry_pause {bad.target}", bad.problem, "no pause: skipped"
+            )
+        return read.pauses
+
+    def read_pauses(self) -> PausesRead:
+        """The pauses in force now, sorted by target, and the malformed pause rows left out
+        (`PausesRead.malformed`: each one's target and what is wrong with it)."""
+        return self.store.read_pauses(self._now_ms())
 
     def held(self) -> dict[str, dict[str, int]]:
         """What the listeners hold back now, summed over the fleet: task (`Class.method`) →

@@ -8,6 +8,7 @@ clock, re-reading it now and then to follow drift.
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from typing import Protocol
@@ -18,6 +19,16 @@ import redis
 def monotonic_s() -> float:
     """Local monotonic seconds: for durations and deadlines, never for due times."""
     return time.monotonic()
+
+
+def iso_ms(ms: float) -> str:
+    """Epoch milliseconds as ISO 8601 in UTC with its offset, to the millisecond
+    (`2026-11-26T21:42:00.000+00:00`): how every log line shows a point in time. A value no date
+    can hold (a row written by hand) shows as `<ms> ms (not a date)`: logging it never fails."""
+    try:
+        return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).isoformat(timespec="milliseconds")
+    except (ValueError, OverflowError, OSError, TypeError):
+        return f"{ms} ms (not a date)"
 
 
 _RESYNC_RETRY_S = 1.0

@@ -7,9 +7,12 @@ finite numbers in range: a NaN or 1e300 there would kill a thread, not fail a ta
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Iterable
 from decimal import Decimal
+from typing import Any
 
 from keyexpiry.errors import KeyExpiryError
 from keyexpiry.keys import shorten
@@ -30,6 +33,10 @@ MAX_LIST_ROWS = 100_000
 """Most rows one `list` returns (`Client.list_tasks`, `keyexpiry list --limit`)."""
 MIN_DUE_MS = 0
 """Earliest due time accepted (1970-01-01 UTC): anything earlier is due now anyway."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects in JSON keyexpiry stores (a payload, a result) or reads
+back (from the ledger or Redis): Python's decoder recurses once per level, and a document ~1000
+deep raised RecursionError wherever it was read (a listener, on every attempt; `show`)."""
 
 
 def number(
@@ -58,6 +65,38 @@ def number(
             f"{field} must be {bound} {_num(low)} to {_num(high)}, got {shorten(repr(value), 80)}"
         )
     return as_float
+
+
+# A JSON string, escapes included: what it holds is no nesting.
+_JSON_STRING = re.compile(r'"(?:[^"\\]+|\\.)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_too_deep(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON `text` nests arrays and objects deeper than `max_depth`, told without
+    decoding it (decoding is what fails). Brackets inside strings do not count."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    if text.count("[") + text.count("{") <= max_depth:
+        return False  # the common case, at C speed: too few brackets to nest that deep
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    depth = 0
+    for c in brackets:
+        if c in "[{":
+            depth += 1
+            if depth > max_depth:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def json_loads(text: str | bytes) -> Any:
+    """`json.loads` for JSON read back from the ledger or Redis: ValueError (as for text that
+    is not JSON) for a document nested deeper than MAX_JSON_DEPTH, never RecursionError."""
+    if json_too_deep(text):
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return json.loads(text)
 
 
 def _num(x: float) -> str:

@@ -102,3 +102,35 @@ class SaidOnce:
         if len(self._seen) > self._limit:
             del self._seen[next(iter(self._seen))]
         return True
+
+
+class Tally:
+    """A thing that may recur without end (a forged event, a dropped wake), said at most once
+    per `every_s`: the first time as it happens, then counted and summed up in one line once
+    `every_s` has passed. A flood costs a line a minute and a counter, never a line an event
+    (one a key wrote 150 MB of log in 20 s and held the GIL the listener's reader needed)."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.total = 0
+        """Everything counted since start (for metrics)."""
+        self._every_s = every_s
+        self._unsaid = 0
+        self._said_s: float | None = None
+
+    def add(self, n: int, now_s: float) -> bool:
+        """Count `n` more; True when the caller should say them now (nothing was said for
+        `every_s`), False when they wait for `unsaid`'s summary."""
+        self.total += n
+        if self._said_s is None or now_s - self._said_s >= self._every_s:
+            self._said_s = now_s
+            return True
+        self._unsaid += n
+        return False
+
+    def unsaid(self, now_s: float) -> int:
+        """How many were counted and not said, once `every_s` has passed since the last line
+        (then the caller says them, and the count starts again); 0 until then."""
+        if not self._unsaid or self._said_s is None or now_s - self._said_s < self._every_s:
+            return 0
+        n, self._unsaid, self._said_s = self._unsaid, 0, now_s
+        return n

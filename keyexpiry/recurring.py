@@ -11,6 +11,7 @@ import redis
 from loguru import logger
 
 from keyexpiry import limits
+from keyexpiry.clock import iso_ms
 from keyexpiry.errors import ConfigError, RedisUnavailableError, StoreError
 from keyexpiry.keys import format_key
 from keyexpiry.ledger.recurring import Declared, ScheduleRow
@@ -78,12 +79,13 @@ def declare_exposed(rt: Runtime) -> int:
         declared = declare(rt, spec.label, spec, (), cad, source="code")
         if declared.did != "kept":
             changed += 1
+            next_ms = declared.schedule.occurrence_ms
             logger.info(
                 "schedule {} {}: {}, next at {}",
                 spec.label,
                 declared.did,
                 cad.recurrence.describe(),
-                declared.schedule.occurrence_ms,
+                "none" if next_ms is None else iso_ms(next_ms),
             )
     return changed
 
@@ -113,3 +115,34 @@ def _arm(rt: Runtime, items: list[tuple[str, int]]) -> None:
             f"schedule recorded in the ledger but its occurrence's key was not set ({exc}); "
             "reconciliation will set it"
         ) from None
+
+
+def live_classes(rt: Runtime) -> frozenset[str] | None:
+    """The task classes the live listeners register, as their heartbeats (within
+    `takeover_after_s`) announce them; None when one does not say (a keyexpiry before classes
+    were announced) or the listener table (or Redis's clock) cannot be read: then nothing is
+    told unregistered."""
+    try:
+        now_ms = rt.clock.now_ms()
+        members = rt.store.live_members(now_ms - round(rt.settings.takeover_after_s * 1000))
+    except (StoreError, redis.RedisError, OSError):
+        return None  # a listing still lists, unflagged; `doctor` still reports Redis down
+    announced = list(members.values())
+    if any(classes is None for classes in announced):
+        return None
+    return frozenset().union(*(c for c in announced if c is not None))
+
+
+def unregistered(schedules: Sequence[ScheduleRow], classes: frozenset[str] | None) -> set[str]:
+    """The names of the `schedules` whose class none of the live listeners (`live_classes`)
+    registers: they run nowhere until one does (a typo in `Client.schedule("…", "Class.meth")`,
+    a class removed from the code, no listener running)."""
+    if classes is None:
+        return set()
+    return {s.name for s in schedules if s.class_name not in classes}
+
+
+def unregistered_note(s: ScheduleRow, classes: frozenset[str] | None) -> str:
+    """One line for a schedule `unregistered` names."""
+    who = "no listener is running" if not classes else f"no live listener registers {s.class_name}"
+    return f"schedule {s.name}: {who}; its runs wait until one does"

@@ -2,18 +2,26 @@
 interval, in an IANA time zone, between an optional start and end), which occurrence a run
 stands for after downtime (`catch_up`), and which comes next after a run (`overlap`).
 
-Cron expressions are read by cronsim (5 fields, Debian cron's semantics, including its handling
-of daylight-saving changes), with the usual `@hourly`…`@yearly` forms. A local time that a
-spring-forward skips runs at the first instant after the gap (02:30 → 03:00); one that a
-fall-back repeats runs once, at its first pass, unless the hour field is `*` (then the
-expression is a real-time interval, "every 15 minutes", and runs in both passes, as cron does).
+Cron expressions have 5 fields (no seconds field: a 6-field one is refused), with the usual
+`@hourly`…`@yearly` forms, and follow Debian cron on daylight-saving changes (cron(8)): a
+"wildcard" job, whose minute or hour field starts with `*` (`*/15 * * * *`, `0 */3 * * *`,
+`* 1-6 * * *`), runs on the local clock as it is: in both passes of a repeated hour, not in a
+skipped one. A fixed-time job (`30 2 * * *`) runs once in a repeated hour, at its first pass,
+and a time that a spring-forward skips runs at the first instant after the gap (02:30 → 03:00).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import copy
 import datetime as dt
+import functools
+import itertools
 import math
+import re
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -41,6 +49,10 @@ _ALIASES = {
     "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
+MIN_TIME_MS = 0
+MAX_TIME_MS = 221_845_392_000_000
+"""Times a schedule holds (its start, end, occurrences) fall in 1970 to 9000: walking on from
+one of year 9999 would leave the calendar (OverflowError)."""
 _SCAN_MAX = 100_000
 """Occurrences walked at most to find the ones missed (a minutely schedule down for 69 days)."""
 
@@ -54,12 +66,21 @@ def _ms(when: dt.datetime) -> int:
 
 
 def check_cron(expression: object, field: str = "cron") -> str:
-    """`expression` if cronsim reads it (aliases accepted); ConfigError in one line otherwise."""
+    """`expression` if it is a 5-field cron expression cronsim reads (aliases accepted);
+    ConfigError in one line otherwise."""
     if not isinstance(expression, str):
         raise ConfigError(f"{field} must be a cron expression, got {shorten(repr(expression), 80)}")
     text = " ".join(expression.split())
+    fields = len(_ALIASES.get(text, text).split())
+    if fields != 5:
+        # cronsim would take a leading seconds field; cron(8) has none, nor does our DST rule.
+        raise ConfigError(
+            f"{field} {shorten(repr(expression), 80)} is not a cron expression: it has "
+            f"{fields} fields, a cron expression has 5 (minute hour day month weekday; "
+            "no seconds field: every_s= runs more often than once a minute)"
+        )
     try:
-        CronSim(_ALIASES.get(text, text), dt.datetime(2025, 1, 1, tzinfo=dt.UTC))
+        _parsed_cron(_ALIASES.get(text, text))
     except (CronSimError, ValueError, TypeError) as exc:
         raise ConfigError(
             f"{field} {shorten(repr(expression), 80)} is not a cron expression: {exc}"
@@ -67,17 +88,52 @@ def check_cron(expression: object, field: str = "cron") -> str:
     return text
 
 
+ZONE_NAME_MAX_CHARS = 64
+"""As long as the schedule table's `tz` column holds; the longest IANA name has 32."""
+_ZONE_NAME = re.compile(r"[A-Za-z0-9_+-]+(?:/[A-Za-z0-9_+-]+)*")
+
+
 def check_zone(name: object, field: str = "tz") -> str:
     """`name` if it is an IANA time zone this machine knows; ConfigError otherwise."""
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{field} must be an IANA time zone name, got {shorten(repr(name), 80)}")
+    if (
+        not isinstance(name, str)
+        or len(name) > ZONE_NAME_MAX_CHARS
+        or not _ZONE_NAME.fullmatch(name)
+    ):
+        raise ConfigError(
+            f"{field} must be an IANA time zone name (e.g. 'Europe/Berlin', 'UTC'), got "
+            f"{shorten(repr(name), 80)}"
+        )
     try:
-        ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
+        _zone(name)
+    # A directory of the zone database ('Europe') or a name the file system refuses is an
+    # OSError, not ZoneInfoNotFoundError.
+    except (ZoneInfoNotFoundError, ValueError, OSError):
         raise ConfigError(
             f"{field} {shorten(repr(name), 80)} is no IANA time zone (e.g. 'Europe/Berlin', 'UTC')"
         ) from None
     return name
+
+
+@functools.lru_cache(maxsize=512)
+def _zone(name: str) -> ZoneInfo:
+    return ZoneInfo(name)
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed_cron(expression: str) -> CronSim:
+    """A CronSim parsed once per expression, copied for each walk (`_walk_from`): parsing costs
+    four times a step."""
+    return CronSim(expression, dt.datetime(2025, 1, 1))
+
+
+def _walk_from(expression: str, start: dt.datetime) -> CronSim:
+    """Matches of `expression` after `start` in its own frame: wall time if naive, a fixed
+    offset's time if aware (cronsim's own DST handling is bypassed: `_cron_times` does it)."""
+    sim = copy.copy(_parsed_cron(expression))
+    sim.dt = start.replace(microsecond=0)
+    sim.fixup_tz = None
+    return sim
 
 
 def check_choice(value: object, choices: tuple[str, ...], field: str) -> str:
@@ -111,6 +167,13 @@ class Recurrence:
             # Whole milliseconds, as stored: a declaration read back compares equal.
             object.__setattr__(self, "every_s", round(self.every_s * 1000) / 1000)
         check_zone(self.tz)
+        for field, ms in (("start", self.start_ms), ("end", self.end_ms)):
+            if ms is not None and (
+                isinstance(ms, bool)
+                or not isinstance(ms, int)
+                or not MIN_TIME_MS <= ms <= MAX_TIME_MS
+            ):
+                raise ConfigError(f"a schedule's {field} must fall in 1970 to 9000, got {ms!r}")
         if self.start_ms is not None and self.end_ms is not None and self.end_ms <= self.start_ms:
             raise ConfigError("a schedule's end must come after its start")
 
@@ -124,44 +187,129 @@ class Recurrence:
     def after(self, t_ms: int, anchor_ms: int) -> int | None:
         """The first occurrence strictly after `t_ms`; None when the schedule has ended.
         `anchor_ms` is where an interval counts from when the schedule has no start."""
+        return next(self.times(t_ms, anchor_ms), None)
+
+    def times(self, t_ms: int, anchor_ms: int) -> Iterator[int]:
+        """The occurrences strictly after `t_ms`, in order, up to the schedule's end: one walk,
+        cheaper per occurrence than `after` called again for each."""
         if self.start_ms is not None and t_ms < self.start_ms:
             t_ms = self.start_ms - 1
         found = (
-            self._cron_after(t_ms) if self.cron is not None else self._every_after(t_ms, anchor_ms)
+            _cron_times(self.cron, _zone(self.tz), t_ms)
+            if self.cron is not None
+            else self._every_times(t_ms, anchor_ms)
         )
-        if found is None or (self.end_ms is not None and found > self.end_ms):
-            return None
-        return found
+        for when in found:
+            if self.end_ms is not None and when > self.end_ms:
+                return
+            yield when
 
-    def _every_after(self, t_ms: int, anchor_ms: int) -> int:
+    def _every_times(self, t_ms: int, anchor_ms: int) -> Iterator[int]:
         assert self.every_s is not None
         every_ms = max(1, round(self.every_s * 1000))
         base = self.start_ms if self.start_ms is not None else anchor_ms
-        if t_ms < base:
-            return base
-        return base + ((t_ms - base) // every_ms + 1) * every_ms
-
-    def _cron_after(self, t_ms: int) -> int | None:
-        assert self.cron is not None
-        zone = ZoneInfo(self.tz)
-        expression = _ALIASES.get(self.cron, self.cron)
-        every_hour = expression.split()[1] == "*"
-        # cronsim steps in whole minutes from the given time: start from the minute of t_ms.
-        start = _utc(t_ms).astimezone(zone).replace(second=0, microsecond=0)
-        for when in CronSim(expression, start):
-            if _ms(when) <= t_ms:
-                continue
-            if when.fold and not every_hour and _matches_first_pass(expression, when):
-                continue  # the repeated hour of a fall-back: ran at its first pass
-            return _ms(when)
-        return None
+        when = base if t_ms < base else base + ((t_ms - base) // every_ms + 1) * every_ms
+        while True:
+            yield when
+            when += every_ms
 
 
-def _matches_first_pass(expression: str, when: dt.datetime) -> bool:
-    """Whether the wall time of `when` (in a fall-back's second pass) matched at the first."""
-    first = when.replace(fold=0)
-    probe = CronSim(expression, first - dt.timedelta(minutes=1))
-    return next(probe).replace(tzinfo=None) == first.replace(tzinfo=None)
+def _cron_times(expression: str, zone: ZoneInfo, t_ms: int) -> Iterator[int]:
+    expression = _ALIASES.get(expression, expression)
+    minute, hour = expression.split()[:2]
+    if minute.startswith("*") or hour.startswith("*"):
+        return _wildcard_times(expression, zone, t_ms)
+    return _fixed_times(expression, zone, t_ms)
+
+
+def _fixed_times(expression: str, zone: ZoneInfo, t_ms: int) -> Iterator[int]:
+    """A fixed-time job: each matching wall time once, at its first pass (fold 0); one that a
+    spring-forward skips, at the first instant after the gap (several: once)."""
+    # In wall time, from the minute of t_ms; a time before t_ms (t_ms in a repeated hour's
+    # second pass, the match at the first) is passed over.
+    wall = _utc(t_ms).astimezone(zone).replace(tzinfo=None, second=0, microsecond=0)
+    last = t_ms
+    for match in _walk_from(expression, wall):
+        when = match.replace(tzinfo=zone, fold=0)
+        while _imaginary(when):
+            when += dt.timedelta(minutes=1)
+        ms = _ms(when)
+        if ms > last:
+            last = ms
+            yield ms
+
+
+def _wildcard_times(expression: str, zone: ZoneInfo, t_ms: int) -> Iterator[int]:
+    """A wildcard job: every instant whose local time matches, as the clock shows it (both
+    passes of a repeated hour, none of a skipped one). Walked in the zone's offset of the
+    moment, restarted where the offset changes: the matches of one offset are exact, and a
+    change of 30 minutes is not stepped over (cronsim's own walk jumps a single-valued minute
+    field in UTC, past a repeated :30 on Lord Howe Island)."""
+    since = _utc(t_ms)
+    restarted = False
+    while True:
+        offset = since.astimezone(zone).utcoffset()
+        assert offset is not None
+        fixed = dt.timezone(offset)
+        # The first walk from the minute of t_ms; a walk after a change from its instant on.
+        begin = (
+            since.astimezone(fixed).replace(second=0, microsecond=0)
+            if not restarted
+            else since.astimezone(fixed) - dt.timedelta(seconds=1)
+        )
+        restarted = True
+        for match in _walk_from(expression, begin):
+            change = _offset_change(zone, offset, since, match)
+            if change is not None:
+                since = change
+                break
+            ms = _ms(match)
+            if ms > t_ms:
+                yield ms
+            since = match
+        else:
+            return
+
+
+_CHANGES_APART = dt.timedelta(days=6)
+"""Less than the time between two changes of a zone's offset since 1970 (the closest in tzdata
+are 6.9 days apart: a week of summer time in Brazil in 2000, Gaza's Ramadan in 2040)."""
+
+
+def _offset_change(
+    zone: ZoneInfo, offset: dt.timedelta, after: dt.datetime, upto: dt.datetime
+) -> dt.datetime | None:
+    """The first instant in (`after`, `upto`] at which `zone`'s offset is no longer
+    `offset`; None when it holds throughout."""
+    if upto - after <= _CHANGES_APART:
+        if upto.astimezone(zone).utcoffset() == offset:
+            return None
+        lo, hi = after, upto
+    else:
+        lo = after
+        while True:
+            hi = min(lo + _CHANGES_APART, upto)
+            if hi.astimezone(zone).utcoffset() != offset:
+                break
+            if hi == upto:
+                return None
+            lo = hi
+    # Offsets change on whole seconds: bisect to one.
+    lo_s, hi_s = math.floor(lo.timestamp()), math.ceil(hi.timestamp())
+    while hi_s - lo_s > 1:
+        mid = (lo_s + hi_s) // 2
+        if dt.datetime.fromtimestamp(mid, zone).utcoffset() == offset:
+            lo_s = mid
+        else:
+            hi_s = mid
+    return dt.datetime.fromtimestamp(hi_s, dt.UTC)
+
+
+def _imaginary(when: dt.datetime) -> bool:
+    """Whether aware local `when` is skipped by a spring-forward (it does not round-trip)."""
+    return when.astimezone(dt.UTC).astimezone(when.tzinfo).replace(tzinfo=None) != when.replace(
+        tzinfo=None
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,25 +351,93 @@ def _recent(
     rec: Recurrence, after_ms: int, now_ms: int, anchor_ms: int, keep: int
 ) -> tuple[list[int], int, bool]:
     """The last `keep` occurrences in (`after_ms`, `now_ms`], how many were found, and whether
-    that is all of them. Walked from a window before `now_ms` that grows (4 times, from a minute)
-    until it holds `keep` or reaches `after_ms`: a schedule down for months costs a few
-    windows' walk, never every occurrence since (a minutely cron down for a year: 525,600)."""
-    span_ms = 60_000
-    while True:
-        start = max(after_ms, now_ms - span_ms)
-        found: collections.deque[int] = collections.deque(maxlen=keep)
-        count, t = 0, start
-        for _ in range(_SCAN_MAX):
-            nxt = rec.after(t, anchor_ms)
-            if nxt is None or nxt > now_ms:
+    that is all of them. Each run of a backlog `catch_up="all"` works through asks again with
+    `after_ms` and `now_ms` a little later: answered from the walk kept from the last ask,
+    extended by the occurrences since, so a run costs the same with 10,000 missed as with one
+    (walked afresh each time, the catch-up's cost grew with the square of its backlog)."""
+    with _WALKS_LOCK:
+        kept = _WALKS.pop((rec, anchor_ms, keep), None)
+        answer = None
+        if kept is not None and kept.extend(rec, now_ms, anchor_ms, keep):
+            walk, answer = kept, kept.answer(after_ms)
+        if answer is None:
+            walk = _Walk.fresh(rec, after_ms, now_ms, anchor_ms, keep)
+            # As its windows tell it: all of them when walked from `after_ms`, else the last
+            # `keep` of at least `total`.
+            answer = list(walk.times), walk.total, walk.from_ms == after_ms
+        _WALKS[(rec, anchor_ms, keep)] = walk
+        while len(_WALKS) > _WALKS_KEPT:
+            del _WALKS[next(iter(_WALKS))]
+        return answer
+
+
+@dataclass(slots=True)
+class _Walk:
+    """The last `keep` (or fewer) of the `total` occurrences in (`from_ms`, `upto_ms`]."""
+
+    from_ms: int
+    upto_ms: int
+    times: list[int]
+    total: int
+
+    @classmethod
+    def fresh(cls, rec: Recurrence, after_ms: int, now_ms: int, anchor_ms: int, keep: int) -> _Walk:
+        """Walked from a window before `now_ms` that grows (4 times, from a minute) until it
+        holds `keep` or reaches `after_ms`: a schedule down for months costs a few windows'
+        walk, never every occurrence since (a minutely cron down for a year: 525,600)."""
+        span_ms = 60_000
+        while True:
+            start = max(after_ms, now_ms - span_ms)
+            found: collections.deque[int] = collections.deque(maxlen=keep)
+            count = 0
+            for nxt in itertools.islice(rec.times(start, anchor_ms), _SCAN_MAX):
+                if nxt > now_ms:
+                    break
+                found.append(nxt)
+                count += 1
+            if len(found) >= keep or start == after_ms:
+                return cls(start, now_ms, list(found), count)
+            span_ms *= 4
+
+    def extend(self, rec: Recurrence, now_ms: int, anchor_ms: int, keep: int) -> bool:
+        """Brought up to `now_ms`; False when that is not worth it (or time went back)."""
+        if now_ms < self.upto_ms or self.upto_ms < self.from_ms:
+            return False  # time went back, or asked before its start: walked afresh
+        added = 0
+        for nxt in rec.times(self.upto_ms, anchor_ms):
+            if nxt > now_ms:
                 break
-            found.append(nxt)
-            count += 1
-            t = nxt
-        if len(found) >= keep or start == after_ms:
-            # From a window that began after `after_ms`, more were missed before it.
-            return list(found), count, start == after_ms
-        span_ms *= 4
+            added += 1
+            if added > keep + _EXTEND_MAX:
+                return False  # long unasked: a fresh walk's windows cost less
+            self.times.append(nxt)
+        self.total += added
+        self.upto_ms = now_ms
+        del self.times[: max(0, len(self.times) - keep)]
+        return True
+
+    def answer(self, after_ms: int) -> tuple[list[int], int, bool] | None:
+        """`_recent`'s answer for `after_ms`, None when this walk cannot tell it."""
+        if after_ms == self.from_ms:
+            # Walked from `after_ms` itself: every one counted was missed (the count in full,
+            # as a fresh walk tells it, not only the `keep` held).
+            return list(self.times), self.total, True
+        if after_ms < self.from_ms:
+            # Missed before the walk's start too: how many a fresh walk tells by its windows
+            # (`Plan.missed` stays what it was); a backlog's later runs ask from within.
+            return None
+        first = bisect.bisect_right(self.times, after_ms)
+        if first == 0 and self.total > len(self.times):
+            # Some of the dropped ones may lie after `after_ms`: counted by a fresh walk.
+            return None
+        recent = self.times[first:]
+        return recent, len(recent), True
+
+
+_WALKS: dict[tuple[Recurrence, int, int], _Walk] = {}
+_WALKS_LOCK = threading.Lock()
+_WALKS_KEPT = 32
+_EXTEND_MAX = 1000
 
 
 def next_after_run(

@@ -14,7 +14,6 @@ from keyexpiry import limits
 from keyexpiry.errors import ConfigError
 from keyexpiry.log import check_log_level
 from keyexpiry.masking import mask_url, redact
-from keyexpiry.redis.cluster import is_cluster_url, parse_cluster_url
 
 ENV_PREFIX = "KEYEXPIRY_"
 DEFAULT_RETRY_SCHEDULE_S: tuple[float, ...] = (
@@ -85,7 +84,13 @@ class Settings:
     """`HOST:PORT` for the listener's /metrics, /healthz and /readyz; empty: not served."""
     web_allowed_hosts: tuple[str, ...] = ()
     """Host names the dashboard answers to (`*.example.com` for subdomains), beside loopback ones
-    without a token; empty with a token: any (a guard against DNS rebinding)."""
+    without a token; empty with a token: any (a guard against DNS rebinding). A wildcard needs a
+    token (`create_app` refuses it without one)."""
+    web_trusted_proxies: tuple[str, ...] = ()
+    """Addresses or networks (`10.0.0.0/8`) of the reverse proxies in front of `keyexpiry web`:
+    only from these is `X-Forwarded-For` read as the client's address (which the per-address
+    token throttle and the loopback-only rule go by); from any other peer, loopback included,
+    it is ignored. Empty: none trusted."""
 
     def __repr__(self) -> str:
         shown = ", ".join(
@@ -150,6 +155,8 @@ class Settings:
                     f"web_allowed_hosts: {host[:80]!r} is not a host name, IP address, "
                     "*.domain or *"
                 )
+        if self.web_trusted_proxies:
+            self._validate_proxies()
         check_log_level(self.log_level)
         if "@" in self.key_prefix or len(self.key_prefix) > 64:
             raise ConfigError("key_prefix must not contain '@' and must be at most 64 characters")
@@ -159,10 +166,25 @@ class Settings:
             # A parser's message may quote a piece of the URL it could not make sense of
             # (cluster entry points cut out of a password holding `/`): never a credential.
             raise ConfigError(redact(str(exc), self.redis_url, self.database_url)) from None
+        # Here, not at the top: it imports redis-py, which `keyexpiry --help` should not pay for.
+        from keyexpiry.redis.cluster import is_cluster_url
+
         hash_tag = "{" in self.key_prefix or "}" in self.key_prefix
         if hash_tag and self.redis_url and is_cluster_url(self.redis_url):
             # A hash tag in the prefix would put every task key in one slot.
             raise ConfigError("key_prefix must not contain '{' or '}' on a Redis Cluster")
+
+    def _validate_proxies(self) -> None:
+        import ipaddress  # here: every CLI call validates settings, few list proxies
+
+        for proxy in self.web_trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"web_trusted_proxies: {proxy[:80]!r} is not an IP address or network "
+                    "(10.0.0.0/8, 127.0.0.1, ::1)"
+                ) from None
 
     def _validate_urls(self) -> None:
         for url, what, schemes in (
@@ -189,6 +211,8 @@ class Settings:
 
                     if is_sentinel_url(url):
                         parse_sentinel_url(url)  # a malformed one fails here, with the reason
+        from keyexpiry.redis.cluster import is_cluster_url, parse_cluster_url
+
         if self.redis_url and is_cluster_url(self.redis_url):
             parse_cluster_url(self.redis_url)  # raises ConfigError naming what is wrong
 

@@ -49,6 +49,8 @@ class Running:
         if not self.listener.subscribed.wait(15):
             raise AssertionError("listener did not subscribe within 15 s")
         assert self.listener.wait_reconciled(15), "start-up reconciliation did not finish"
+        # Done beside the subscription: waited for, so a test starts on a settled listener.
+        assert self.listener.warmed.wait(15), "the warm-up did not finish"
 
     def stop(self) -> None:
         self.listener.stop()

@@ -159,6 +159,9 @@ def test_a_primary_without_notifications_refuses_to_start_with_its_address(
 
     listener = Listener(cfg)
     try:
+        # Checked before the listener writes anything, and again at each connect.
+        with pytest.raises(RedisConfigError, match=primary.address):
+            listener.subscription.check_at_start()
         with pytest.raises(RedisConfigError, match=primary.address):
             listener.subscription.connect()
     finally:

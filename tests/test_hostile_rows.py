@@ -30,7 +30,7 @@ from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import ConfigError, StoreError
 from keyexpiry.keys import sentinel_key
 from keyexpiry.ledger.store import Store, TaskStatus, make_engine
-from keyexpiry.limits import MIN_DUE_MS
+from keyexpiry.limits import MAX_JSON_DEPTH, MIN_DUE_MS
 from keyexpiry.listener.maintenance import FAILING_AFTER, Maintenance
 from keyexpiry.listener.reconcile import PendingWalk, Reconciler
 from keyexpiry.log import _format
@@ -45,6 +45,10 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 FORGED = "2024-01-01 00:00:00.000 ERROR   forged"
 """A line a handler's error text would like to pass for a log line (or a `show` field)."""
 RAW_CONTROLS = ("\x1b", "\x07", "\r")
+CLAIMED_DEAD = "malformed ledger row (recorded dead, not run)"
+"""What a listener says, once, of a malformed row it claims."""
+DEEP = "[" * 990 + "]" * 990
+"""JSON that Python's decoder cannot read from any depth of the stack (RecursionError)."""
 
 
 @contextlib.contextmanager
@@ -139,7 +143,7 @@ BAD_ROWS = [
         {"method": "always_fail"},
         ends="dead",
         listed=("MALFORMED: its class_name/method columns say 'Probe.always_fail'",),
-        reported=None,  # said when it is claimed: recorded dead, not runnable
+        reported=CLAIMED_DEAD,  # said when it is claimed
         shown={"method": "record", "problem": "but its key names 'Probe.record'"},
     ),
     BadRow(
@@ -147,8 +151,40 @@ BAD_ROWS = [
         {"class_name": "robe"},
         ends="dead",
         listed=("MALFORMED: its class_name/method columns say 'robe.record'",),
-        reported=None,  # said when it is claimed: recorded dead, not runnable
+        reported=CLAIMED_DEAD,  # said when it is claimed
         shown={"class": "Probe", "problem": "but its key names 'Probe.record'"},
+    ),
+    BadRow(
+        "args-not-the-keys",
+        {"args": json.dumps(["someone-else"])},
+        ends="dead",
+        listed=("MALFORMED: its args column says ['someone-else'] but its key",),
+        reported=CLAIMED_DEAD,  # said when it is claimed
+        shown={"args": "args-not-the-keys", "problem": "(the key is the task's identity)"},
+    ),
+    BadRow(
+        "args-too-deep",
+        {"args": DEEP},
+        ends="dead",
+        listed=("MALFORMED: its args column holds JSON nested deeper than",),
+        reported=CLAIMED_DEAD,
+        shown={"args": "args-too-deep", "problem": f"deeper than {MAX_JSON_DEPTH} levels"},
+    ),
+    BadRow(
+        "payload-too-deep",
+        {"payload": DEEP},
+        ends="dead",
+        listed=("MALFORMED: its payload column holds JSON nested deeper than",),
+        reported=CLAIMED_DEAD,
+        shown={"payload": '"[[[[', "problem": f"deeper than {MAX_JSON_DEPTH} levels"},
+    ),
+    BadRow(
+        "result-too-deep",
+        {"status": "done", "attempts": 1, "finished_at_ms": 1, "result": DEEP},
+        ends="done",
+        listed=("done",),
+        reported=None,
+        shown={"result": '"[[[['},
     ),
     BadRow(
         "control-characters",
@@ -237,6 +273,9 @@ def test_a_row_written_outside_keyexpiry_is_shown_reported_and_breaks_nothing(
     as_json = cli.invoke(app, ["show", "Probe", "record", bad.name, "--json"], env=env)
     assert as_json.exit_code == 0, as_json.output
     data = json.loads(as_json.stdout)
+    listed_json = cli.invoke(app, ["list", "--json"], env=env)
+    assert listed_json.exit_code == 0 and listed_json.exception is None, listed_json.output
+    assert any(json.loads(ln)["key"] == key for ln in listed_json.stdout.splitlines())
     for column in ("last_error", "tag"):
         if column in bad.values:  # JSON keeps the text exact
             assert data[column] == bad.values[column]
@@ -286,7 +325,10 @@ def _listen(
     wait_status(client, after, TaskStatus.DONE)
     row = client.store.get(key)
     assert row is not None and str(row.status) == bad.ends
-    if bad.name in ("method-not-the-keys", "class-a-suffix-of-the-keys"):
+    if bad.name in (
+        "method-not-the-keys", "class-a-suffix-of-the-keys", "args-not-the-keys",
+        "args-too-deep", "payload-too-deep",
+    ):  # fmt: skip
         assert row.last_error is not None and "not runnable" in row.last_error
         assert key not in sample_tasks.CALLS  # neither the key's method nor the column's ran
     if bad.name == "running-no-lease":

@@ -4,6 +4,7 @@ guessing, missing headers, big bodies, crafted messages)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -26,7 +27,6 @@ from typing import Any
 import psutil
 import pytest
 import redis
-import uvicorn
 from sqlalchemy import text
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
@@ -44,6 +44,7 @@ from keyexpiry.web.security import (
     MAX_BODY_BYTES,
     SECURITY_HEADERS,
 )
+from keyexpiry.web.serve import DashboardServer
 from tests import sample_tasks
 from tests.ke import Running, wait_status
 
@@ -102,8 +103,9 @@ def half_requests(port: int, count: int) -> list[socket.socket]:
 
 def closed_by_server(sock: socket.socket) -> bool:
     """Whether the server has closed this connection (EOF or reset is readable)."""
-    readable, _, _ = select.select([sock], [], [], 0)
-    if not readable:
+    poller = select.poll()  # not select(): descriptors past 1023 (thousands of attackers)
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(0):
         return False
     try:
         return sock.recv(4096) == b""
@@ -250,16 +252,15 @@ def test_head_works_on_every_endpoint_and_other_methods_are_405(
 
 @contextlib.contextmanager
 def serving(app: Any) -> Iterator[int]:
-    """`app` served by uvicorn on a loopback port, as `keyexpiry web` serves it: the port."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    """`app` served on a loopback port as `keyexpiry web` serves it: the port."""
+    server = DashboardServer(app, "127.0.0.1", 0)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    wait_until(lambda: server.started, 15, message="uvicorn did not start")
+    assert server.started.wait(15), "the dashboard's port did not start"
     try:
-        yield port
+        yield server.port
     finally:
-        server.should_exit = True
+        server.stop()
         thread.join(10)
 
 
@@ -360,19 +361,22 @@ def test_wrong_credentials_are_slowed_and_guessing_is_bounded(
         assert http(url, headers={"Authorization": "Bearer wrong"})[0] == 401
         assert time.monotonic() - started >= FAILURE_DELAY_S * 0.9
         # A burst of guesses from one address: the rest of its budget waits out its second,
-        # every other guess is refused at once (its budget comes back one every 10 s).
-        with ThreadPoolExecutor(48) as pool:
+        # every other guess is refused at once (its budget comes back one every 10 s). At
+        # most 30 at once: the port takes 34 connections, and closes the oldest unfinished one
+        # to make room beyond that.
+        burst = 30
+        with ThreadPoolExecutor(burst) as pool:
             answers = list(
                 pool.map(
                     lambda i: http(
                         url, headers={"Authorization": f"Bearer guess-{i}"}, timeout_s=10
                     ),
-                    range(48),
+                    range(burst),
                 )
             )
         statuses = [status for status, _, _ in answers]
         assert statuses.count(401) == FAILURES_PER_PEER - 1, statuses
-        assert statuses.count(429) == 48 - (FAILURES_PER_PEER - 1), statuses
+        assert statuses.count(429) == burst - (FAILURES_PER_PEER - 1), statuses
         refused = next(a for a in answers if a[0] == 429)
         assert int(refused[1]["Retry-After"]) >= 1
         assert refused[1]["X-Content-Type-Options"] == "nosniff"
@@ -501,3 +505,292 @@ def test_a_crafted_link_cannot_put_words_on_the_dashboard(
         failed = tc.post("/task/run", data={"key": key, "csrf": token}, follow_redirects=False)
         assert failed.status_code == 400 and "error:" in failed.text
         assert "location" not in failed.headers
+
+
+# --- `keyexpiry web`'s own port ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def web_process(
+    cli_env: dict[str, str], log_path: Path, *, descriptors: int = 0, **env: str
+) -> Iterator[int]:
+    """`keyexpiry web` as an operator runs it, with the token and `env` (KEYEXPIRY_…), allowed
+    `descriptors` open files when given: its port, once it answers."""
+    port = free_port()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def few_descriptors() -> None:
+        if descriptors:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, hard))
+
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "keyexpiry", "web", "--bind", f"127.0.0.1:{port}"],
+            env={**os.environ, **cli_env, "KEYEXPIRY_WEB_TOKEN": TOKEN, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=few_descriptors,
+        )
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(log_path.read_text())
+            try:
+                return http(f"http://127.0.0.1:{port}/", timeout_s=1, headers=AUTH)[0] == 200
+            except OSError:
+                return False
+
+        wait_until(up, 30, interval_s=0.05, message="keyexpiry web never answered")
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_half_finished_requests_cannot_starve_the_dashboard(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The issue's attack on `keyexpiry web`, scaled to a 256-descriptor process: 2,000
+    connections that never finish their request head. uvicorn kept every one, ran out of
+    descriptors, stopped answering and logged `Too many open files` every second."""
+    log = tmp_path / "web.log"
+    with web_process(cli_env, log, descriptors=256) as port:
+        attackers = half_requests(port, 2000)
+        try:
+            assert len(attackers) >= 1900, "the port stopped accepting connections"
+            started = time.monotonic()
+            status, _, body = http(f"http://127.0.0.1:{port}/", timeout_s=10, headers=AUTH)
+            assert status == 200 and b"keyexpiry" in body
+            # Generous for a loaded 2-core machine; before the fix it never answered.
+            assert time.monotonic() - started < 3.0, "the dashboard was slow under the attack"
+            # Every half-finished connection is closed within the head timeout (most at once).
+            wait_until(
+                lambda: all(closed_by_server(s) for s in attackers),
+                HttpLimits().head_timeout_s + 5,
+                interval_s=0.1,
+                message="half-finished connections were kept open",
+            )
+        finally:
+            for sock in attackers:
+                sock.close()
+        # Malformed requests on connection after connection: refused, and said once.
+        for _ in range(10):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+                assert sock.recv(100).startswith(b"HTTP/1.1 400 ")
+        # A keep-alive connection is served request after request (each head timed anew).
+        conn = HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            for _ in range(3):
+                conn.request("GET", "/static/dashboard.css", headers=AUTH)
+                resp = conn.getresponse()
+                assert resp.status == 200
+                resp.read()
+        finally:
+            conn.close()
+    logged = log.read_text()
+    assert logged.count("Too many open files") <= 1, logged[-3000:]
+    assert logged.count("Invalid HTTP request received") == 1, logged[-3000:]
+
+
+ACCEPT_STARVED = """
+import os, sys, threading
+from keyexpiry.web.serve import DashboardServer
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+server = DashboardServer(app, "127.0.0.1", 0)
+hog = []
+
+def starve():
+    server.started.wait(30)
+    print(server.port, flush=True)
+    sys.stdin.readline()
+    while True:  # every descriptor left: accept() fails with EMFILE
+        try:
+            hog.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            break
+    print("starved", flush=True)
+    sys.stdin.readline()
+    for fd in hog:
+        os.close(fd)
+    print("fed", flush=True)
+
+threading.Thread(target=starve, daemon=True).start()
+server.run()
+"""
+
+
+def test_the_dashboard_port_says_once_that_it_cannot_accept(tmp_path: Path) -> None:
+    """Descriptors taken by something else: accept() fails for seconds. asyncio logged a
+    traceback each second it retried; the port says so once, and answers once they are back."""
+    err = tmp_path / "err.log"
+    with (
+        err.open("wb") as errors,
+        subprocess.Popen(
+            [sys.executable, "-c", ACCEPT_STARVED],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        ) as proc,
+    ):
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            port = int(proc.stdout.readline())
+            proc.stdin.write("starve\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "starved", err.read_text()
+            url = f"http://127.0.0.1:{port}/"
+            started = time.monotonic()
+            # A client knocks for 3.5 s (each knock waits 0.5 s for an answer): asyncio retries
+            # accept() every second, failing each time.
+            while time.monotonic() - started < 3.5:
+                with pytest.raises(OSError):
+                    http(url, timeout_s=0.5)
+            proc.stdin.write("feed\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "fed"
+            assert http(url, timeout_s=10)[0] == 200
+        finally:
+            proc.terminate()
+    logged = err.read_text()
+    assert logged.count("Too many open files") == 1, logged[-3000:]
+    assert "cannot accept connections" in logged
+
+
+def test_when_every_slot_is_answering_a_request_gets_503_at_once() -> None:
+    release = threading.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while scope["path"] == "/slow" and not release.is_set():
+            await asyncio.sleep(0.02)  # a page waiting on a hung ledger
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = DashboardServer(app, "127.0.0.1", 0, limits=HttpLimits(max_connections=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        assert server.started.wait(15), "the dashboard's port did not start"
+        with ThreadPoolExecutor(2) as pool:
+            slow = [pool.submit(http, f"{url}/slow", timeout_s=15) for _ in range(2)]
+            wait_until(lambda: server.busy == 2, 10, message="the slow requests were not taken")
+            started = time.monotonic()
+            status, headers, _ = http(f"{url}/fast")
+            assert status == 503 and headers["Retry-After"] == "1", status
+            assert headers["X-Frame-Options"] == "DENY"
+            assert time.monotonic() - started < 2.0, "the refusal waited for a slot"
+            release.set()
+            assert [f.result()[0] for f in slow] == [200, 200]
+        wait_until(lambda: http(f"{url}/fast")[0] == 200, 10, message="slots never came back")
+    finally:
+        release.set()
+        server.stop()
+        thread.join(10)
+
+
+def test_a_request_is_cut_at_its_deadline() -> None:
+    """An answer that never comes (a page stuck on a hung ledger) frees its connection at the
+    deadline: uvicorn alone kept it as long as the page waited."""
+
+    release = threading.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while scope["type"] == "http" and not release.is_set():
+            await asyncio.sleep(0.02)  # no answer until the test ends
+
+    limits = HttpLimits(connection_deadline_s=1.0)
+    server = DashboardServer(app, "127.0.0.1", 0, limits=limits)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert server.started.wait(15), "the dashboard's port did not start"
+        started = time.monotonic()
+        with pytest.raises(OSError):  # closed without an answer
+            http(f"http://127.0.0.1:{server.port}/", timeout_s=10)
+        assert time.monotonic() - started < 4.0, "the connection outlived its deadline"
+        wait_until(lambda: server.busy == 0, 5, message="the slot was not freed")
+    finally:
+        release.set()
+        server.stop()
+        thread.join(10)
+
+
+@SQLITE_ONLY
+def test_a_wildcard_host_needs_a_token(
+    settings: Settings, client: Client, cli_env: dict[str, str]
+) -> None:
+    """`*` (or `*.domain`) without a token would serve a DNS-rebinding page's name: a rebound
+    page paused and resumed a class."""
+    for wildcard in ("*", "*.nip.io"):
+        with pytest.raises(ConfigError, match="KEYEXPIRY_WEB_TOKEN"):
+            create_app(settings.replace(web_allowed_hosts=("tasks.internal", wildcard)))
+        create_app(settings.replace(web_allowed_hosts=(wildcard,)), token=TOKEN)
+    create_app(settings.replace(web_allowed_hosts=("tasks.internal",)))
+    result = CliRunner().invoke(
+        cli_app,
+        ["web", "--bind", f"127.0.0.1:{free_port()}"],
+        env={**cli_env, "KEYEXPIRY_WEB_ALLOWED_HOSTS": "*", "KEYEXPIRY_WEB_TOKEN": ""},
+    )
+    assert result.exit_code == 1 and "wildcard" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_trusted_proxies_are_addresses_or_networks() -> None:
+    env = {"KEYEXPIRY_WEB_TRUSTED_PROXIES": "10.0.0.0/8, 127.0.0.1,::1"}
+    assert Settings.from_env(env).web_trusted_proxies == ("10.0.0.0/8", "127.0.0.1", "::1")
+    for bad in ("*", "proxy.internal", "10.0.0.0/33", "127.0.0.1:80"):
+        with pytest.raises(ConfigError, match="web_trusted_proxies"):
+            Settings.from_env({"KEYEXPIRY_WEB_TRUSTED_PROXIES": bad})
+
+
+def guesses(port: int, count: int, headers: dict[str, str]) -> list[int]:
+    """The statuses of `count` wrong tokens sent at once from 127.0.0.1 with `headers`."""
+    with ThreadPoolExecutor(count) as pool:
+        return list(
+            pool.map(
+                lambda i: http(
+                    f"http://127.0.0.1:{port}/",
+                    headers={**headers, "Authorization": f"Bearer guess-{i}"},
+                    timeout_s=10,
+                )[0],
+                range(count),
+            )
+        )
+
+
+def test_a_forwarded_address_is_ignored_unless_its_proxy_is_trusted(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The issue's attack: a local client named its own address in `X-Forwarded-For` and so
+    spent another address's guessing budget (locking its operator out) and never its own."""
+    with web_process(cli_env, tmp_path / "web.log") as port:
+        forged = {"X-Forwarded-For": "127.0.0.2", "Forwarded": "for=127.0.0.2"}
+        assert set(guesses(port, FAILURES_PER_PEER + 4, forged)) == {401, 429}
+        # The guesses were charged to their real address, not the one named.
+        assert http_from("127.0.0.2", port, AUTH) == 200
+        assert http(f"http://127.0.0.1:{port}/", headers=AUTH)[0] == 429
+    # Behind a proxy the operator trusts, the address it forwards is the client's.
+    trusted = {"KEYEXPIRY_WEB_TRUSTED_PROXIES": "127.0.0.1"}
+    with web_process(cli_env, tmp_path / "proxied.log", **trusted) as port:
+        behind = {"X-Forwarded-For": "198.51.100.7"}
+        assert set(guesses(port, FAILURES_PER_PEER + 4, behind)) == {401, 429}
+        url = f"http://127.0.0.1:{port}/"
+        assert http(url, headers={**behind, **AUTH})[0] == 429
+        assert http(url, headers={"X-Forwarded-For": "198.51.100.8", **AUTH})[0] == 200
+        # What the client itself put left of the address the proxy appended changes nothing.
+        spoofed = {"X-Forwarded-For": "198.51.100.9, 198.51.100.7"}
+        assert http(url, headers={**spoofed, **AUTH})[0] == 429
+        assert http(url, headers=AUTH)[0] == 200  # the proxy's own address was not charged
+        # From an address not listed, the header is ignored: 127.0.0.2's own budget.
+        assert http_from("127.0.0.2", port, {**behind, **AUTH}) == 200

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import signal
+import threading
 import time
 from collections.abc import Callable
 from decimal import Decimal
@@ -372,3 +374,91 @@ def test_a_burst_of_other_expired_events_does_not_trip_the_canary(
     wait_until(burst_read, 30, interval_s=0.01, message=f"read {listener.foreign} of {burst}")
     assert listener.events - canaries >= burst
     assert not seen_false, "the canary declared the event stream lost during the burst"
+
+
+def test_a_listener_refused_at_start_writes_nothing_and_stops_at_once(
+    redis_factory: RedisFactory, sqlite_url: str, tmp_path: Path, log_lines: list[str]
+) -> None:
+    from keyexpiry.errors import RedisConfigError
+    from keyexpiry.ledger.store import Store, make_engine
+    from tests.schedule_tasks import TICKS
+
+    server = redis_factory(args=["--notify-keyspace-events", ""])
+    settings = make_settings(server.url(), sqlite_url, tmp_path, sentinel_count=2)
+    listener = Listener(settings, TICKS)  # TICKS declares a schedule in code (Tick.beat)
+    started_s = time.monotonic()
+    try:
+        listener.run()
+    except RedisConfigError as exc:
+        assert "keyspace notifications" in str(exc)
+    else:
+        raise AssertionError("a listener without keyspace notifications ran")
+    # Nothing to join: the check came before any thread (it took ~5 s when they had started).
+    assert time.monotonic() - started_s < 2.0
+    store = Store(make_engine(sqlite_url))
+    try:
+        assert not store.table_exists(), "the ledger was written before the start check"
+    finally:
+        store.engine.dispose()
+    # No thread was started: none of them logs work (sentinels, overdue checks) after the stop.
+    assert not [line for line in log_lines if "sentinel" in line or "overdue" in line], log_lines
+    client = server.client()
+    try:
+        assert client.dbsize() == 0, "Redis was written before the start check"
+    finally:
+        client.close()
+
+
+def test_a_stop_signal_landing_inside_a_lock_the_stop_takes_still_stops(
+    redis_url: str, sqlite_url: str, tmp_path: Path
+) -> None:
+    """SIGTERM right at start-up landed inside `Event.set()` of the maintenance thread's wake
+    event (the first connect asks for a reconciliation); the handler set the same event and
+    waited for its lock for good: the listener hung until SIGKILL."""
+    listener = Listener(make_settings(redis_url, sqlite_url, tmp_path))
+    restore = listener._install_signal_handlers()  # the test runs on the main thread
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        wanted = listener.maintenance._wanted
+
+        def interrupted() -> None:
+            with wanted._cond:  # type: ignore[attr-defined]  # where the signal landed
+                handler(signal.SIGTERM, None)
+
+        thread = threading.Thread(target=interrupted, daemon=True)
+        thread.start()
+        thread.join(5)
+        assert not thread.is_alive(), "the signal handler hung on a lock its thread held"
+        wait_until(listener._stop.is_set, 5, message="the signal did not stop the listener")
+    finally:
+        restore()
+        listener.rt.close()
+
+
+def test_a_listener_subscribes_without_waiting_for_its_warm_up(
+    redis_url: str, sqlite_url: str, tmp_path: Path
+) -> None:
+    """Compiling the claim statements took 0.15-0.3 s before the subscription (and every task
+    due in a restart's window waited as long): it goes on beside it now."""
+    listener = Listener(make_settings(redis_url, sqlite_url, tmp_path))
+    release = threading.Event()
+    warm_up = listener._warm_up
+
+    def slow_warm_up() -> None:
+        release.wait(20)
+        warm_up()
+
+    listener._warm_up = slow_warm_up  # type: ignore[method-assign]
+    thread = threading.Thread(target=listener.run, daemon=True)
+    thread.start()
+    try:
+        assert listener.subscribed.wait(10), "the subscription waited for the warm-up"
+        assert not listener.warmed.is_set()
+        release.set()
+        assert listener.warmed.wait(10)
+    finally:
+        release.set()
+        listener.stop()
+        thread.join(30)
+    assert not thread.is_alive()

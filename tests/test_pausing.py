@@ -14,14 +14,17 @@ from typing import Any
 import pytest
 import redis
 from redis.cluster import key_slot
+from sqlalchemy import text
+from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
 from keyexpiry.aio import AsyncClient
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.bench.servers.cluster import LocalCluster
+from keyexpiry.cli import app
 from keyexpiry.errors import ArgumentError, UnknownTaskError
 from keyexpiry.keys import wake_channel
-from keyexpiry.ledger.store import Store
+from keyexpiry.ledger.store import Store, make_engine
 from keyexpiry.pausing import (
     PAUSE_WAKE,
     Pause,
@@ -363,6 +366,7 @@ def test_the_async_client_pauses_resumes_and_lists(settings: Settings) -> None:
         async with AsyncClient(settings) as ke:
             pause = await ke.pause("Probe.record", for_s=60, reason="async")
             assert (await ke.paused()) == [pause]
+            assert (await ke.read_pauses()).pauses == [pause]
             assert await ke.held() == {}
             with pytest.raises(ArgumentError, match="not in the future"):
                 await ke.pause("Probe", until=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
@@ -396,3 +400,98 @@ def test_a_pause_on_a_cluster_is_published_sharded(
         finally:
             pubsub.close()
             node.close()
+
+
+# --- malformed pause rows (written by hand or by another program) -------------------------------
+def _hand_made_pause_table(store: Store) -> None:
+    """The pause table as a hand-made one may be: paused_at_ms without its NOT NULL."""
+    with store.engine.begin() as conn:
+        if store.engine.dialect.name == "sqlite":  # no ALTER COLUMN: made again, by hand
+            conn.execute(text("DROP TABLE keyexpiry_pause"))
+            conn.execute(
+                text(
+                    "CREATE TABLE keyexpiry_pause (target VARCHAR(257) PRIMARY KEY, "
+                    "until_ms BIGINT, paused_at_ms BIGINT, reason VARCHAR(255))"
+                )
+            )
+        elif store.engine.dialect.name == "postgresql":
+            conn.execute(
+                text("ALTER TABLE keyexpiry_pause ALTER COLUMN paused_at_ms DROP NOT NULL")
+            )
+        else:
+            conn.execute(text("ALTER TABLE keyexpiry_pause MODIFY paused_at_ms BIGINT NULL"))
+
+
+def _insert_pause_rows(store: Store, rows: list[str]) -> None:
+    with store.engine.begin() as conn:
+        for values in rows:
+            columns = "target, until_ms, paused_at_ms, reason"
+            conn.execute(text(f"INSERT INTO keyexpiry_pause ({columns}) VALUES {values}"))
+
+
+BAD_PAUSE_ROWS = {
+    # target: (the row's values, what its problem says)
+    "Bad Target": ("('Bad Target', NULL, 1000, NULL)", "is no 'Class' or 'Class.method'"),
+    "Orders.close.now": ("('Orders.close.now', NULL, 1000, NULL)", "is no 'Class'"),
+    " Padded": ("(' Padded', NULL, 1000, NULL)", "is no 'Class'"),
+    "NoTime": ("('NoTime', NULL, NULL, NULL)", "its paused_at_ms column holds NULL, not a number"),
+}
+SQLITE_ONLY_BAD_PAUSE_ROWS = {
+    # SQLite keeps whatever is written, whatever the column's type.
+    "Text": ("('Text', 'abc', 1000, NULL)", "its until_ms column holds str 'abc', not a number"),
+    "Forever": ("('Forever', 9e999, 1000, NULL)", "its until_ms column holds float 'inf'"),
+    "Blob": ("('Blob', NULL, X'00', NULL)", "its paused_at_ms column holds bytes"),
+    "Reason": ("('Reason', NULL, 1000, X'ff')", "its reason column holds bytes"),
+}
+
+
+def test_a_malformed_pause_row_is_skipped_and_every_other_pause_stands(store: Store) -> None:
+    _hand_made_pause_table(store)
+    bad = dict(BAD_PAUSE_ROWS)
+    if store.engine.dialect.name == "sqlite":
+        bad |= SQLITE_ONLY_BAD_PAUSE_ROWS
+    store.pause("Good", until_ms=None, now_ms=1_000, reason="sound")
+    store.pause("Later.run", until_ms=2**63 - 1, now_ms=1_000)  # far, but a time all the same
+    _insert_pause_rows(store, [values for values, _ in bad.values()])
+    sound = [Pause("Good", None, 1_000, "sound"), Pause("Later.run", 2**63 - 1, 1_000, None)]
+    assert store.pauses(2_000) == sound
+    read = store.read_pauses(2_000)
+    assert read.pauses == sound
+    problems = {m.target: m.problem for m in read.malformed}
+    assert sorted(problems) == sorted(bad)
+    for target, (_, says) in bad.items():
+        assert says in problems[target] and "\n" not in problems[target], (target, problems)
+    # Left as they are (for whoever reads them to see), read again the same.
+    assert store.read_pauses(3_000).malformed == read.malformed
+    # A sound pause that ends is still deleted beside them.
+    store.pause("Short", until_ms=4_000, now_ms=3_000)
+    assert [p.target for p in store.pauses(3_500)] == ["Good", "Later.run", "Short"]
+    assert [p.target for p in store.pauses(4_000)] == ["Good", "Later.run"]
+
+
+def test_paused_lists_the_sound_pauses_and_says_how_many_rows_it_skipped(
+    cli_env: dict[str, str], sqlite_url: str
+) -> None:
+    runner = CliRunner()
+    assert runner.invoke(app, ["pause", "Probe.record"], env=cli_env).exit_code == 0
+    store = Store(make_engine(sqlite_url))
+    try:
+        _insert_pause_rows(
+            store,
+            ["('Text', 'abc', 1000, NULL)", "('Forever', 9e999, 1000, NULL)",
+             "('Evil\x1b[2J', NULL, 1000, NULL)"],
+        )  # fmt: skip
+    finally:
+        store.engine.dispose()
+    result = runner.invoke(app, ["paused"], env=cli_env)
+    assert result.exit_code == 0, result.output
+    assert result.exception is None
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("TARGET") and len(lines) == 2 and lines[1].startswith("Probe.record")
+    assert "3 malformed pause row(s) skipped" in result.stderr
+    assert "'Text': its until_ms column holds str 'abc'" in result.stderr
+    assert "\x1b" not in result.stderr  # a forged target reaches no terminal raw
+    result = runner.invoke(app, ["paused", "--json"], env=cli_env)
+    assert result.exit_code == 0
+    assert [json.loads(line)["target"] for line in result.stdout.splitlines()] == ["Probe.record"]
+    assert "3 malformed pause row(s) skipped" in result.stderr

@@ -20,6 +20,7 @@ from keyexpiry.cli import app
 from keyexpiry.client import TaskRequest
 from keyexpiry.errors import ArgumentError, ConfigError
 from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.limits import MAX_JSON_DEPTH
 from keyexpiry.registry import Registry
 from keyexpiry.web import create_app
 from tests import sample_tasks
@@ -205,3 +206,63 @@ def test_a_payload_parameter_must_follow_the_arguments() -> None:
     registry.register(Good)
     spec = registry.resolve("Good", "m")
     assert spec.takes_payload and [p.name for p in spec.params] == ["order_id"]
+
+
+def _nested(depth: int) -> object:
+    """`depth` arrays, one inside the other, around a 1."""
+    doc: object = 1
+    for _ in range(depth):
+        doc = [doc]
+    return doc
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_payload_nested_too_deep_or_holding_a_lone_surrogate_is_refused(
+    client: Client, settings: Settings
+) -> None:
+    """Python's decoder recurses once per level: a payload ~1000 deep, once stored, raised
+    RecursionError in the listener on every attempt (and in `show`, `list --json`)."""
+    deepest = _nested(MAX_JSON_DEPTH)
+    key = client.create(with_payload, "deepest", ttl_s=60, payload=deepest)
+    assert (row := client.store.get(key)) is not None and row.payload == deepest
+    refused = [
+        (_nested(MAX_JSON_DEPTH + 1), f"nested deeper than {MAX_JSON_DEPTH} levels"),
+        ({"a": [{"b": _nested(MAX_JSON_DEPTH)}]}, "nested deeper"),
+        (_nested(900), "nested deeper|not JSON-serialisable"),
+        ({"text": "a\ud800b"}, "not valid text"),
+        ({"\udcff": 1}, "not valid text"),
+    ]
+    for i, (doc, why) in enumerate(refused):
+        with pytest.raises(ArgumentError, match=why):
+            client.create(with_payload, f"bad{i}", ttl_s=60, payload=doc)
+        with pytest.raises(ArgumentError, match=why):
+            client.create_many([TaskRequest(with_payload, [f"many{i}"], ttl_s=60, payload=doc)])
+
+    async def main() -> None:
+        async with AsyncClient(settings) as ke:
+            for i, (doc, why) in enumerate(refused):
+                with pytest.raises(ArgumentError, match=why):
+                    await ke.create(with_payload, f"aio{i}", ttl_s=60, payload=doc)
+
+    asyncio.run(main())
+    assert client.store.count_pending() == 1
+
+
+def test_cli_create_refuses_a_payload_too_deep_or_not_text_in_one_line(
+    cli_env: dict[str, str],
+) -> None:
+    runner = CliRunner()
+    env = {**cli_env, "KEYEXPIRY_TASKS": "tests.sample_tasks"}
+    for name, text, why in [
+        ("deep", "[" * 990 + "]" * 990, f"nested deeper than {MAX_JSON_DEPTH} levels"),
+        ("over", json.dumps(_nested(MAX_JSON_DEPTH + 1)), "nested deeper"),
+        ("surrogate", '{"a": "\\ud800"}', "not valid text"),
+    ]:
+        made = runner.invoke(
+            app,
+            ["create", "Probe", "with_payload", name, "--ttl", "60", "--payload", text],
+            env=env,
+        )
+        assert made.exit_code == 1 and isinstance(made.exception, SystemExit), made.output
+        (line,) = made.output.splitlines()
+        assert line.startswith("error: ") and why in line and len(line) < 200, line

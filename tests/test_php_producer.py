@@ -33,7 +33,7 @@ from keyexpiry.errors import KeyExpiryError
 from keyexpiry.keys import format_key, wake_channel
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
 from keyexpiry.ledger.table import T
-from keyexpiry.limits import delays
+from keyexpiry.limits import MAX_JSON_DEPTH, delays
 from keyexpiry.redis.arming import parse_wake
 from keyexpiry.registry import default_registry
 from keyexpiry.tags import check_tag
@@ -719,6 +719,16 @@ def test_php_payload_travels_with_the_task(
     )
     assert too_big["error"] == "Keyexpiry\\ArgumentError"
     assert client.get("Probe.with_payload", "big") is None
+    # Nested deeper than keyexpiry reads back (a listener could not decode it): refused.
+    deepest: Any = []
+    for _ in range(MAX_JSON_DEPTH - 1):
+        deepest = [deepest]
+    producer.create("Probe.with_payload", "deepest", ttl_ms=60_000, payload=deepest)
+    assert _row(client, client.key_for("Probe.with_payload", "deepest")).payload == deepest
+    (too_deep,) = producer.run(create("Probe.with_payload", "deep", ttl_ms=100, payload=[deepest]))
+    assert too_deep["error"] == "Keyexpiry\\ArgumentError"
+    assert f"nested deeper than {MAX_JSON_DEPTH} levels" in too_deep["message"]
+    assert client.get("Probe.with_payload", "deep") is None
     start_listener(settings)
     # The handler gets it (by parameter and as current().payload) on each attempt.
     row = wait_status(client, key, TaskStatus.DONE)

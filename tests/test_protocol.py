@@ -471,11 +471,11 @@ def test_the_postgres_create_writes_what_keyexpiry_writes_and_the_task_runs(
             client.store.upsert_pending(
                 [
                     NewTask(
-                        ours, "Probe", "with_payload", ("pg producer",), now + 300, (0.05,),
+                        ours, "Probe", "with_payload", ("keyexpiry",), now + 300, (0.05,),
                         "order:9", '{"n":1}',
                     ),
                     NewTask(
-                        ours, "Probe", "with_payload", ("pg producer",), now + 300, (0.05,),
+                        ours, "Probe", "with_payload", ("keyexpiry",), now + 300, (0.05,),
                         "order:9", '{"n":1}',
                     ),
                 ],
@@ -484,8 +484,12 @@ def test_the_postgres_create_writes_what_keyexpiry_writes_and_the_task_runs(
         finally:
             raw.close()
         rows = client.store.get_many([theirs, ours])
-        documented, written = (dataclasses.replace(rows[k], id=0, key="") for k in (theirs, ours))
-        assert documented == written
+        # Each row's args are its key's (else it would be malformed, `problem` set).
+        assert (rows[theirs].args, rows[ours].args) == (("pg producer",), ("keyexpiry",))
+        documented, written = (
+            dataclasses.replace(rows[k], id=0, key="", args=()) for k in (theirs, ours)
+        )
+        assert documented == written and documented.problem is None
         client.redis.set(theirs, "", pxat=now + 300)
         start_listener(settings)
         wait_status(client, theirs, TaskStatus.DONE)

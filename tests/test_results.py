@@ -16,6 +16,7 @@ from keyexpiry.cli import app
 from keyexpiry.client import TaskRequest
 from keyexpiry.errors import ConfigError
 from keyexpiry.ledger.store import Outcome, Store, TaskStatus
+from keyexpiry.limits import MAX_JSON_DEPTH
 from keyexpiry.results import encode_result
 from tests import sample_tasks
 from tests.ke import Running, wait_status
@@ -38,6 +39,8 @@ def test_results_are_kept_and_read_back_through_get_and_list(
             "object": object(),
             "nan": float("nan"),
             "decimal": Decimal("1.5"),
+            "deep": json.loads("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)),
+            "surrogate": "a\udc80b",
         }
     )
     with Client(settings.replace(result_max_bytes=100)) as client:
@@ -64,6 +67,8 @@ def test_results_are_kept_and_read_back_through_get_and_list(
             ("object", "not JSON-serialisable: Object of type object"),
             ("nan", "not JSON-serialisable: Out of range float values"),
             ("decimal", "not JSON-serialisable: Object of type Decimal"),
+            ("deep", f"it is nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects"),
+            ("surrogate", "it is not valid text: it holds a lone surrogate '\\udc80'"),
         ]:
             row = rows[name]
             assert row.result is None and row.attempts == 1, name

@@ -6,13 +6,16 @@ stay one, changed they move, paused they catch up, removed they stop."""
 from __future__ import annotations
 
 import datetime as dt
+import itertools
+import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
 
-from keyexpiry import Client, ConfigError, exposed, recurring
+from keyexpiry import Client, ConfigError, exposed, recurring, schedules
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.ledger.rows import Occurrence, Outcome
 from keyexpiry.ledger.store import TaskStatus
@@ -66,9 +69,9 @@ def test_a_daily_time_in_a_skipped_hour_runs_after_it_and_in_a_repeated_hour_onc
     assert len(set(days)) == 3, got
 
 
-def test_an_hour_repeated_by_a_fall_back_runs_each_time_once_for_a_fixed_hour() -> None:
+def test_an_hour_repeated_by_a_fall_back_runs_once_for_a_fixed_time_twice_for_a_wildcard() -> None:
     zone = "Europe/Berlin"
-    fixed = _walk(Recurrence(cron="*/30 1-3 * * *", tz=zone), _ms("2025-10-26T00:00", zone), 6)
+    fixed = _walk(Recurrence(cron="0,30 1-3 * * *", tz=zone), _ms("2025-10-26T00:00", zone), 6)
     assert fixed == [
         "2025-10-26T01:00:00+02:00",
         "2025-10-26T01:30:00+02:00",
@@ -77,14 +80,224 @@ def test_an_hour_repeated_by_a_fall_back_runs_each_time_once_for_a_fixed_hour() 
         "2025-10-26T03:00:00+01:00",  # 02:00 and 02:30 of the second pass did run: skipped
         "2025-10-26T03:30:00+01:00",
     ]
-    # Hour `*`: a real-time interval ("every 30 minutes") ticks through both passes, as cron.
-    every = _walk(Recurrence(cron="*/30 * * * *", tz=zone), _ms("2025-10-26T01:45", zone), 4)
-    assert every == [
-        "2025-10-26T02:00:00+02:00",
-        "2025-10-26T02:30:00+02:00",
-        "2025-10-26T02:00:00+01:00",
-        "2025-10-26T02:30:00+01:00",
+    # A minute or hour field starting with `*` (cron's MIN_STAR/HR_STAR): a wildcard job, run
+    # on the clock as it shows, in both passes (`*/30 1-3`, `*/30 *`, `0 */3`, `* 1-6` alike).
+    for cron in ("*/30 1-3 * * *", "*/30 * * * *"):
+        every = _walk(Recurrence(cron=cron, tz=zone), _ms("2025-10-26T01:45", zone), 4)
+        assert every == [
+            "2025-10-26T02:00:00+02:00",
+            "2025-10-26T02:30:00+02:00",
+            "2025-10-26T02:00:00+01:00",
+            "2025-10-26T02:30:00+01:00",
+        ]
+
+
+# Debian cron's rules (cron(8): "Only jobs that run at a particular time (not specified as
+# @hourly, nor with '*' in the hour or minute specifier) are affected"), as cronsim's own suite
+# checks them against Debian cron: cuu508/cronsim tests/test_cronsim.py, TestDstTransitions,
+# Europe/Riga 2021 (spring forward 03:00 -> 04:00 on 28 March, fall back 04:00 -> 03:00 on
+# 31 October). (cron, start, the occurrences after it.)
+RIGA_2021 = [
+    ("0 * * * *", "2021-03-28T01:30", ["2021-03-28T02:00:00+02:00", "2021-03-28T04:00:00+03:00"]),
+    ("0 * * * *", "2021-10-31T01:30", ["2021-10-31T02:00:00+03:00", "2021-10-31T03:00:00+03:00",
+                                       "2021-10-31T03:00:00+02:00", "2021-10-31T04:00:00+02:00"]),
+    ("*/30 * * * *", "2021-03-28T02:10", ["2021-03-28T02:30:00+02:00",
+                                          "2021-03-28T04:00:00+03:00",
+                                          "2021-03-28T04:30:00+03:00"]),
+    ("*/30 * * * *", "2021-10-31T02:10", ["2021-10-31T02:30:00+03:00",
+                                          "2021-10-31T03:00:00+03:00",
+                                          "2021-10-31T03:30:00+03:00",
+                                          "2021-10-31T03:00:00+02:00",
+                                          "2021-10-31T03:30:00+02:00",
+                                          "2021-10-31T04:00:00+02:00"]),
+    ("0 */2 * * *", "2021-03-28T01:30", ["2021-03-28T02:00:00+02:00", "2021-03-28T04:00:00+03:00",
+                                         "2021-03-28T06:00:00+03:00"]),
+    ("0 */2 * * *", "2021-10-31T01:30", ["2021-10-31T02:00:00+03:00", "2021-10-31T04:00:00+02:00",
+                                         "2021-10-31T06:00:00+02:00"]),
+    ("30 */2 * * *", "2021-10-31T01:30", ["2021-10-31T02:30:00+03:00",
+                                          "2021-10-31T04:30:00+02:00"]),
+    ("0 */3 * * *", "2021-10-31T01:30", ["2021-10-31T03:00:00+03:00", "2021-10-31T03:00:00+02:00",
+                                         "2021-10-31T06:00:00+02:00"]),
+    ("0 1,2,3,4,5 * * *", "2021-03-28T01:30", ["2021-03-28T02:00:00+02:00",
+                                               "2021-03-28T04:00:00+03:00",
+                                               "2021-03-28T05:00:00+03:00"]),
+    ("0 1,2,3,4,5 * * *", "2021-10-31T01:30", ["2021-10-31T02:00:00+03:00",
+                                               "2021-10-31T03:00:00+03:00",
+                                               "2021-10-31T04:00:00+02:00"]),
+    ("30 1,2,3,4,5 * * *", "2021-03-28T01:30", ["2021-03-28T02:30:00+02:00",
+                                                "2021-03-28T04:00:00+03:00",
+                                                "2021-03-28T04:30:00+03:00"]),
+    ("30 1,2,3,4,5 * * *", "2021-10-31T01:30", ["2021-10-31T02:30:00+03:00",
+                                                "2021-10-31T03:30:00+03:00",
+                                                "2021-10-31T04:30:00+02:00"]),
+    ("0 2 * * *", "2021-10-31T01:30", ["2021-10-31T02:00:00+03:00", "2021-11-01T02:00:00+02:00"]),
+    ("0 3 * * *", "2021-03-27T01:30", ["2021-03-27T03:00:00+02:00", "2021-03-28T04:00:00+03:00",
+                                       "2021-03-29T03:00:00+03:00"]),
+    ("0 3 * * *", "2021-10-31T01:30", ["2021-10-31T03:00:00+03:00", "2021-11-01T03:00:00+02:00"]),
+    ("0 4 * * *", "2021-10-30T01:30", ["2021-10-30T04:00:00+03:00", "2021-10-31T04:00:00+02:00",
+                                       "2021-11-01T04:00:00+02:00"]),
+    ("0 1-5 * * *", "2021-10-31T01:30", ["2021-10-31T02:00:00+03:00", "2021-10-31T03:00:00+03:00",
+                                         "2021-10-31T04:00:00+02:00"]),
+    ("15 3 * * *", "2021-03-27T00:00", ["2021-03-27T03:15:00+02:00", "2021-03-28T04:00:00+03:00",
+                                        "2021-03-29T03:15:00+03:00"]),
+    ("15 3 * * *", "2021-10-30T00:00", ["2021-10-30T03:15:00+03:00", "2021-10-31T03:15:00+03:00",
+                                        "2021-11-01T03:15:00+02:00"]),
+    ("* * * * *", "2021-03-28T02:58", ["2021-03-28T02:59:00+02:00", "2021-03-28T04:00:00+03:00"]),
+    ("* * * * *", "2021-10-31T03:58", ["2021-10-31T03:59:00+03:00", "2021-10-31T03:00:00+02:00",
+                                       "2021-10-31T03:01:00+02:00"]),
+    ("* 1-6 * * *", "2021-03-28T02:58", ["2021-03-28T02:59:00+02:00",
+                                         "2021-03-28T04:00:00+03:00"]),
+    ("* 1-6 * * *", "2021-10-31T03:58", ["2021-10-31T03:59:00+03:00",
+                                         "2021-10-31T03:00:00+02:00",
+                                         "2021-10-31T03:01:00+02:00"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cron", "start", "expected"), RIGA_2021)
+def test_daylight_saving_changes_follow_debian_cron_as_cronsims_suite_checks(
+    cron: str, start: str, expected: list[str]
+) -> None:
+    rec = Recurrence(cron=cron, tz="Europe/Riga")
+    assert _walk(rec, _ms(start, "Europe/Riga"), len(expected)) == expected
+
+
+@pytest.mark.parametrize(
+    ("zone", "cron", "start", "expected"),
+    [
+        # Wildcard jobs in the repeated hour of a fall-back: both passes (the issue's cases).
+        ("America/New_York", "*/30 1 * * *", "2025-11-02T00:45", [
+            "2025-11-02T01:00:00-04:00", "2025-11-02T01:30:00-04:00",
+            "2025-11-02T01:00:00-05:00", "2025-11-02T01:30:00-05:00",
+            "2025-11-03T01:00:00-05:00",
+        ]),
+        ("America/New_York", "* 1-6 * * *", "2025-11-02T01:58", [
+            "2025-11-02T01:59:00-04:00", "2025-11-02T01:00:00-05:00", "2025-11-02T01:01:00-05:00",
+        ]),
+        ("Europe/Riga", "0 */3 * * *", "2025-10-26T01:30", [
+            "2025-10-26T03:00:00+03:00", "2025-10-26T03:00:00+02:00", "2025-10-26T06:00:00+02:00",
+        ]),
+        # A fixed time in it: once, at the first pass.
+        ("America/New_York", "30 1 * * *", "2025-11-02T00:45", [
+            "2025-11-02T01:30:00-04:00", "2025-11-03T01:30:00-05:00",
+        ]),
+        # Lord Howe Island changes by 30 minutes (+11 -> +10:30 at 02:00 on 6 April 2025):
+        # 01:30-02:00 comes twice; `30 *` is a wildcard job and runs in both.
+        ("Australia/Lord_Howe", "30 * * * *", "2025-04-06T01:59", [
+            "2025-04-06T01:30:00+10:30", "2025-04-06T02:30:00+10:30",
+        ]),
+        ("Australia/Lord_Howe", "30 * * * *", "2025-04-06T00:45", [
+            "2025-04-06T01:30:00+11:00", "2025-04-06T01:30:00+10:30",
+            "2025-04-06T02:30:00+10:30",
+        ]),
+        ("Australia/Lord_Howe", "30 1 * * *", "2025-04-06T00:45", [
+            "2025-04-06T01:30:00+11:00", "2025-04-07T01:30:00+10:30",
+        ]),
+        # Its spring forward (02:00 -> 02:30 on 5 October): a fixed 02:15 runs at 02:30, a
+        # wildcard job's 02:15 does not happen.
+        ("Australia/Lord_Howe", "15 2 * * *", "2025-10-05T01:00", [
+            "2025-10-05T02:30:00+11:00", "2025-10-06T02:15:00+11:00",
+        ]),
+        ("Australia/Lord_Howe", "15 * * * *", "2025-10-05T01:00", [
+            "2025-10-05T01:15:00+10:30", "2025-10-05T03:15:00+11:00",
+        ]),
+    ],
+)  # fmt: skip
+def test_daylight_saving_changes_of_the_issue_and_a_half_hour_change(
+    zone: str, cron: str, start: str, expected: list[str]
+) -> None:
+    assert _walk(Recurrence(cron=cron, tz=zone), _ms(start, zone), len(expected)) == expected
+
+
+def test_a_change_and_its_undoing_within_a_week_are_both_seen() -> None:
+    """Recife kept summer time for one week in 2000 (-03 -> -02 on 8 October, back on the
+    15th): the walk from a match before it to the next after it, under 7 days, must not take
+    the offset at both ends as the offset throughout (14 October 23:00 comes twice)."""
+    zone = "America/Recife"
+    since = int(dt.datetime(2000, 10, 8, 2, 30, tzinfo=dt.UTC).timestamp() * 1000)
+    assert _walk(Recurrence(cron="0 23 * * *", tz=zone), since, 2) == [
+        "2000-10-08T23:00:00-02:00",
+        "2000-10-09T23:00:00-02:00",
     ]
+    assert _walk(Recurrence(cron="*/30 23 14 10 *", tz=zone), since, 4) == [
+        "2000-10-14T23:00:00-02:00",
+        "2000-10-14T23:30:00-02:00",
+        "2000-10-14T23:00:00-03:00",
+        "2000-10-14T23:30:00-03:00",
+    ]
+
+
+def _field_matches(field: str, value: int) -> bool:
+    """A minute or hour field, read independently of cronsim (numbers, ranges, lists, steps)."""
+    for part in field.split(","):
+        spec, _, step = part.partition("/")
+        if spec == "*":
+            first, last = 0, 59
+        elif "-" in spec:
+            first, last = map(int, spec.split("-"))
+        else:
+            first = last = int(spec)
+        if first <= value <= last and (value - first) % int(step or 1) == 0:
+            return True
+    return False
+
+
+def _reference(cron: str, zone: str, since: dt.datetime, hours: int) -> list[str]:
+    """cron(8)'s rule minute by minute, from scratch: a wildcard job runs at each real minute
+    whose local time matches; a fixed-time job once per matching local time, at its first
+    pass, or at the first real minute after a gap that skips it."""
+    minute, hour = cron.split()[:2]
+    tz = ZoneInfo(zone)
+    found: list[dt.datetime] = []
+    if minute.startswith("*") or hour.startswith("*"):
+        for step in range(1, hours * 60 + 1):
+            local = (since + dt.timedelta(minutes=step)).astimezone(tz)
+            if _field_matches(minute, local.minute) and _field_matches(hour, local.hour):
+                found.append(local)
+        return [f.isoformat() for f in found]
+    wall = since.astimezone(tz).replace(tzinfo=None)
+    for step in range(-180, hours * 60 + 180):  # local times, the repeated ones once
+        local = wall + dt.timedelta(minutes=step)
+        if not (_field_matches(minute, local.minute) and _field_matches(hour, local.hour)):
+            continue
+        when = local.replace(tzinfo=tz, fold=0)
+        while when.astimezone(dt.UTC).astimezone(tz).replace(tzinfo=None) != when.replace(
+            tzinfo=None
+        ):
+            when += dt.timedelta(minutes=1)  # skipped by a spring forward: after the gap
+        if since < when <= since + dt.timedelta(hours=hours) and when not in found:
+            found.append(when)
+    return [f.astimezone(tz).isoformat() for f in sorted(found)]
+
+
+@pytest.mark.parametrize(
+    ("zone", "spring", "fall"),
+    [
+        ("Europe/Riga", "2025-03-30T00:00", "2025-10-26T00:00"),
+        ("America/New_York", "2025-03-09T00:00", "2025-11-02T00:00"),
+        ("Australia/Lord_Howe", "2025-10-04T23:00", "2025-04-05T23:00"),
+        ("Antarctica/Troll", "2025-03-30T00:00", "2025-10-26T00:00"),  # changes by 2 hours
+    ],
+)
+@pytest.mark.parametrize(
+    "cron",
+    ["* * * * *", "*/7 * * * *", "30 * * * *", "0 */3 * * *", "*/30 1-3 * * *", "* 2 * * *",
+     "15,45 1,2,3 * * *", "30 2 * * *", "0 1-4 * * *", "*/20 0-5 * * *"],
+)  # fmt: skip
+def test_every_occurrence_around_both_changes_is_cron_8s_rule_minute_by_minute(
+    zone: str, spring: str, fall: str, cron: str
+) -> None:
+    for night in (spring, fall):
+        since = dt.datetime.fromisoformat(night).replace(tzinfo=ZoneInfo(zone)).astimezone(dt.UTC)
+        expected = _reference(cron, zone, since, 6)
+        rec = Recurrence(cron=cron, tz=zone)
+        since_ms = int(since.timestamp() * 1000)
+        until_ms = since_ms + 6 * HOUR
+        got = []
+        for t in rec.times(since_ms, since_ms):
+            if t > until_ms:
+                break
+            got.append(_local(t, zone))
+        assert got == expected, (cron, zone, night)
 
 
 def test_a_half_hour_zone_and_the_named_forms() -> None:
@@ -156,6 +369,63 @@ def test_catch_up_after_months_down_walks_a_window_not_every_occurrence() -> Non
     )
     # Kept in whole milliseconds, as stored: declared again, the same definition.
     assert Recurrence(every_s=90.1234) == Recurrence(every_s=90.123)
+
+
+def test_a_catch_up_of_all_works_through_a_backlog_at_a_cost_per_run_not_per_missed() -> None:
+    """A minutely cron paused for 7 days, catch_up="all" up to 10,000: each run of the
+    backlog plans again (`plan_run`) and moves on (`next_after_run`), as the executor and the
+    recorder do. Walking the missed ones afresh for each run cost 0.3 s a run (48 minutes of a
+    core for the backlog, more than a minute's worth per minute with a longer one)."""
+    minutely = Recurrence(cron="* * * * *", tz="Europe/Berlin")
+    occurrence, now = 0, 7 * 24 * HOUR + 1
+    started = time.process_time()
+    ran: list[int] = []
+    while occurrence <= now and len(ran) < 3000:
+        plan = plan_run(minutely, occurrence, now, 0, "all", catch_up_max=10_000)
+        assert plan.run
+        ran.append(plan.scheduled_for_ms)
+        nxt = next_after_run(minutely, plan.scheduled_for_ms, now + 5, 0, "skip", now)
+        assert nxt is not None
+        occurrence, now = nxt, now + 20  # 20 ms a run: the clock moves on as it is worked
+        assert time.process_time() - started < 10, f"{len(ran)} runs in 10 s of CPU"
+    # The last 10,000 of the 10,080 missed, in order, each once.
+    assert ran[0] == (7 * 24 * 60 - 10_000 + 1) * 60_000
+    assert ran == sorted(set(ran)) and len(ran) == 3000
+    assert all(b - a == 60_000 for a, b in itertools.pairwise(ran))
+
+
+@pytest.mark.parametrize("catch_up", ["all", "latest", "none"])
+def test_a_plan_from_the_kept_walk_is_the_plan_walked_afresh(catch_up: str) -> None:
+    rng = random.Random(7)
+    for rec in (Recurrence(cron="*/7 * * * *", tz="Europe/Riga"), Recurrence(every_s=60)):
+        occurrence, now = 1_700_000_000_000, 1_700_000_000_000 + 5 * HOUR
+        for _ in range(200):
+            kept = plan_run(rec, occurrence, now, 0, catch_up, catch_up_max=30)
+            schedules._WALKS.clear()
+            fresh = plan_run(rec, occurrence, now, 0, catch_up, catch_up_max=30)
+            # The same plan, down to how many were missed (a kept walk only saves the cost).
+            assert fresh == kept
+            nxt = rec.after(kept.scheduled_for_ms, 0)
+            assert nxt is not None
+            occurrence = nxt if rng.random() < 0.8 else occurrence + rng.randint(0, HOUR)
+            now += rng.randint(0, 600_000)
+
+
+def test_missed_counts_every_one_missed_when_the_walk_reaches_the_due_occurrence() -> None:
+    """59 missed in the minute after the due one: all counted, as before walks were kept (not
+    `catch_up_max` of them), asked afresh or again from the kept walk."""
+    rec = Recurrence(every_s=1)
+    for catch_up in ("none", "latest", "all"):
+        for _ in range(2):
+            plan = plan_run(rec, 1_000_000, 1_059_000, 0, catch_up, catch_up_max=3)
+            assert (plan.missed, plan.run) == (59, catch_up != "none")
+
+
+def test_a_cron_with_a_seconds_field_is_refused() -> None:
+    for cron in ("* * * * * *", "*/5 * * * * *", "0 0 9 * * 1-5"):
+        with pytest.raises(ConfigError, match="has 6 fields, a cron expression has 5") as err:
+            Recurrence(cron=cron)
+        assert "every_s=" in str(err.value)
 
 
 def _chose(plan: Plan) -> tuple[bool, int]:

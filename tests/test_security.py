@@ -7,6 +7,7 @@ import shutil
 import ssl
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -83,13 +84,19 @@ def test_acl_user_without_channel_permission_fails_at_start_up(
         except BaseException as exc:
             raised.append(exc)
 
+    before = set(threading.enumerate())
     thread = threading.Thread(target=run, daemon=True)
+    started_s = time.monotonic()
     thread.start()
     thread.join(15)
     if thread.is_alive():  # the bug: NOPERM retried forever
         listener.stop()
         thread.join(15)
         pytest.fail("the listener kept retrying a subscription its ACL user may not make")
+    # Its threads stop with it, not waited out for 5 s each while they go on working.
+    assert time.monotonic() - started_s < 3.0
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert "keyexpiry-reconcile" not in left, left
     (exc,) = raised
     assert isinstance(exc, RedisConfigError)
     assert "may not subscribe to __keyevent@0__:expired" in str(exc)

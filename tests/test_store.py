@@ -26,13 +26,14 @@ def new(key: str, due: int = NOW) -> NewTask:
 
 
 def test_create_again_reschedules_one_row(store: Store) -> None:
-    store.upsert_pending([new("A@m@1", NOW + 5000)], NOW)
-    store.claim(["A@m@1"], now_ms=NOW + 6000, lease_until_ms=NOW + 9000, token="t1")
-    store.upsert_pending([new("A@m@1", NOW + 60_000)], NOW + 7000)
-    row = store.get("A@m@1")
-    assert row is not None
+    key = "A@m@1@%C3%A9%40"  # its arguments: ("1", "é@")
+    store.upsert_pending([NewTask(key, "A", "m", ("1", "é@"), NOW + 5000)], NOW)
+    store.claim([key], now_ms=NOW + 6000, lease_until_ms=NOW + 9000, token="t1")
+    store.upsert_pending([NewTask(key, "A", "m", ("1", "é@"), NOW + 60_000)], NOW + 7000)
+    row = store.get(key)
+    assert row is not None and row.problem is None
     assert (row.status, row.attempts, row.due_at_ms) == (TaskStatus.PENDING, 0, NOW + 60_000)
-    assert row.args == ("A@m@1", "é@")
+    assert row.args == ("1", "é@")
     assert store.counts() == {"pending": 1}
 
 

@@ -36,6 +36,7 @@ def test_the_first_wave_opens_no_connection_and_compiles_no_claim(
     monkeypatch.setattr(Prepared, "compile", staticmethod(counting))
     settings = make_settings(redis_url, server_db_url, tmp_path, claim_batch=64)
     running = start_listener(settings)
+    assert running.listener.warmed.wait(15), "no warm-up"  # done beside the subscription
     engine = running.listener.store.engine
     assert engine.pool.checkedin() + engine.pool.checkedout() >= 8  # type: ignore[attr-defined]
     opened: list[str] = []

@@ -194,6 +194,31 @@ def test_the_overview_lists_pauses_and_what_is_held_back_escaped(
     assert "<td>&lt;b&gt;</td>" in held
 
 
+def test_a_forged_held_entry_nested_deep_or_infinite_leaves_the_overview_working(
+    web: TestClient, client: Client
+) -> None:
+    """Anyone who can write to Redis can write this hash: its entries are read as the ledger's
+    rows are, and one keyexpiry would not have written counts for nothing."""
+    now = client.clock.now_ms()
+    key = held_key(client.settings.key_prefix)
+    sound = {"at_ms": now, "held": {"Probe.record": {"paused": 2}}}
+    deep = "[" * 990 + "]" * 990
+    client.redis.hset(
+        key,
+        mapping={
+            "sound": json.dumps(sound),
+            "deep": deep,
+            "deep-inside": f'{{"at_ms": {now}, "held": {{"Probe.record": {deep}}}}}',
+            "infinite": f'{{"at_ms": {now}, "held": {{"Probe.record": {{"limit": Infinity}}}}}}',
+        },
+    )
+    assert client.held() == {"Probe.record": {"paused": 2}}
+    page = web.get("/")
+    assert page.status_code == 200, page.text
+    held = page.text[page.text.index('<section id="held">') :]
+    assert re.search(r"Probe\.record</td><td>paused</td><td class=\"num\">2<", held), held
+
+
 def test_pause_and_resume_from_the_overview(web: TestClient, client: Client) -> None:
     token = csrf_of(web.get("/").text)
     form = {"target": "Probe.record", "for": "30m", "reason": "PSP down"}

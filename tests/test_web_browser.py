@@ -12,12 +12,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 from keyexpiry import Client, Settings
-from keyexpiry.bench.servers import free_port, wait_until
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.web import create_app
+from keyexpiry.web.serve import DashboardServer
 from tests import sample_tasks
 from tests.ke import Running, wait_status
 
@@ -40,18 +39,13 @@ CHROMIUM_ARGS = [
 
 @pytest.fixture
 def dashboard(settings: Settings, client: Client) -> Iterator[str]:
-    """The dashboard served by uvicorn on a loopback port, as `keyexpiry web` serves it."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings, token=TOKEN), host="127.0.0.1", port=port, log_level="warning"
-        )
-    )
+    """The dashboard served on a loopback port, as `keyexpiry web` serves it."""
+    server = DashboardServer(create_app(settings, token=TOKEN), "127.0.0.1", 0)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    wait_until(lambda: server.started, 15, message="uvicorn did not start")
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
+    assert server.started.wait(15), "the dashboard's port did not start"
+    yield f"http://127.0.0.1:{server.port}"
+    server.stop()
     thread.join(10)
 
 

@@ -37,6 +37,8 @@ final class Producer
     public const MAX_HORIZON_MS = 100 * 365 * 86_400 * 1000;
     /** What `Decimal` text may hold at most (digits and exponent), as keyexpiry. */
     private const MAX_DECIMAL_DIGITS = 600;
+    /** Deepest nesting of arrays and objects in a payload, as keyexpiry (limits.MAX_JSON_DEPTH). */
+    public const MAX_JSON_DEPTH = 64;
 
     private const NAME = '/^[A-Za-z][A-Za-z0-9_]*$/D';
 
@@ -649,9 +651,17 @@ final class Producer
         try {
             $json = json_encode(
                 $payload,
-                JSON_UNESCAPED_UNICODE | JSON_UNESCAPED_SLASHES | JSON_PRESERVE_ZERO_FRACTION | JSON_THROW_ON_ERROR
+                JSON_UNESCAPED_UNICODE | JSON_UNESCAPED_SLASHES | JSON_PRESERVE_ZERO_FRACTION | JSON_THROW_ON_ERROR,
+                self::MAX_JSON_DEPTH
             );
         } catch (\JsonException $exc) {
+            if ($exc->getCode() === JSON_ERROR_DEPTH) {
+                throw new ArgumentError(
+                    'the payload is nested deeper than ' . self::MAX_JSON_DEPTH . ' levels of arrays and objects',
+                    0,
+                    $exc
+                );
+            }
             throw new ArgumentError('the payload is not JSON-encodable: ' . $exc->getMessage(), 0, $exc);
         }
         if (strlen($json) > $this->payloadMaxBytes) {

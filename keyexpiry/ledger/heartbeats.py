@@ -88,6 +88,21 @@ class HeartbeatQueries(Ledger):
         return {str(r.id): _classes_of(r.classes) for r in rows}
 
     @retried_once
+    def pending_by_class(self, classes: frozenset[str], limit: int = 20) -> dict[str, int]:
+        """Pending tasks of classes not in `classes` (none of the live listeners registers
+        them: they wait), counted by class, the `limit` largest classes."""
+        with self._tx() as conn:
+            query = select(T.c.class_name, func.count()).where(
+                T.c.status == TaskStatus.PENDING.value
+            )
+            if classes:
+                query = query.where(T.c.class_name.not_in(sorted(classes)))
+            rows = conn.execute(
+                query.group_by(T.c.class_name).order_by(func.count().desc()).limit(limit)
+            ).all()
+        return {str(name): int(n) for name, n in rows}
+
+    @retried_once
     def mark_stopping(self, listener_id: str, at_ms: int) -> None:
         """Record that a listener began a graceful stop: peers take its keys at their next beat
         (it keeps beating, so its running tasks stay its own)."""

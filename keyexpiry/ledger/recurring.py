@@ -8,18 +8,18 @@ the same transaction (`ClaimQueries.record`), so no other process decides what c
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from loguru import logger
 from sqlalchemy import Connection, delete, insert, select, update
 
+from keyexpiry import limits
 from keyexpiry.errors import KeyExpiryError, StoreError
+from keyexpiry.keys import shorten
 from keyexpiry.ledger.base import Ledger, retried_once
-from keyexpiry.ledger.rows import TaskStatus, args_json, schedule_json
+from keyexpiry.ledger.rows import MalformedRows, TaskStatus, args_json, schedule_json
 from keyexpiry.ledger.table import S, T
-from keyexpiry.schedules import Recurrence
+from keyexpiry.schedules import MAX_TIME_MS, MIN_TIME_MS, Cadence, Recurrence
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,21 +86,28 @@ class ScheduleRow:
         }
 
 
-_SAID_MALFORMED: set[str] = set()
+MALFORMED_SCHEDULES = MalformedRows()
+"""Schedule rows keyexpiry would not have written, met by this process: each said once (the
+listener's metrics count them with the task table's)."""
 
 
 def readable_schedule(r: Any) -> ScheduleRow | None:
     """`schedule_row(r)`, or None for a row keyexpiry would never have written (edited by
-    hand: a zone or expression it does not know, arguments that are no JSON list): said once
-    per schedule, and treated as no schedule (its occurrence runs as a plain task)."""
+    hand: a zone or expression it does not know, arguments that are no JSON list, a time out of
+    range): said once per schedule and problem, counted, and treated as no schedule (its
+    occurrence runs as a plain task)."""
     try:
-        return schedule_row(r)
-    except (KeyExpiryError, ValueError, TypeError) as exc:
-        name = str(getattr(r, "name", "?"))
-        if name not in _SAID_MALFORMED and len(_SAID_MALFORMED) < 1000:
-            _SAID_MALFORMED.add(name)
-            logger.warning("schedule {!r}: malformed row, ignored: {}", name, exc)
+        return _parsed(r)
+    except (KeyExpiryError, ValueError, TypeError, OverflowError, OSError) as exc:
+        _report_malformed(r, exc)
         return None
+
+
+def _report_malformed(r: Any, exc: Exception) -> str:
+    name = str(getattr(r, "name", "?"))
+    problem = f"schedule {shorten(repr(name), 100)}: {shorten(str(exc), 300)}"
+    MALFORMED_SCHEDULES.report(f"schedule:{name}", problem, "schedule ignored")
+    return problem
 
 
 def schedule_row(r: Any) -> ScheduleRow:
@@ -108,42 +115,65 @@ def schedule_row(r: Any) -> ScheduleRow:
     a row keyexpiry would never have written."""
     try:
         return _parsed(r)
-    except (KeyExpiryError, ValueError, TypeError) as exc:
-        raise StoreError(f"schedule {str(r.name)!r}: malformed row ({exc})") from None
+    except (KeyExpiryError, ValueError, TypeError, OverflowError, OSError) as exc:
+        raise StoreError(
+            f"schedule {shorten(repr(str(r.name)), 100)}: malformed row ({shorten(str(exc), 300)})"
+        ) from None
 
 
 def _parsed(r: Any) -> ScheduleRow:
     every_ms = r.every_ms
-    schedule = json.loads(r.retry_schedule_s) if r.retry_schedule_s else None
+    schedule = limits.json_loads(r.retry_schedule_s) if r.retry_schedule_s else None
+    recurrence = Recurrence(
+        cron=r.cron,
+        every_s=None if every_ms is None else _whole(every_ms, "every_ms") / 1000,
+        tz=r.tz,
+        start_ms=_optional_ms(r.start_ms, "start_ms"),
+        end_ms=_optional_ms(r.end_ms, "end_ms"),
+    )
+    # The policies as a declaration checks them: a hand-edited `catch_up_max` of 10**9 is
+    # refused here, not walked.
+    cad = Cadence(recurrence, r.catch_up, _whole(r.catch_up_max, "catch_up_max"), r.overlap)
     return ScheduleRow(
         name=str(r.name),
         task_key=str(r.task_key),
         class_name=str(r.class_name),
         method=str(r.method),
-        args=_strings(json.loads(r.args)),
-        recurrence=Recurrence(
-            cron=r.cron,
-            every_s=None if every_ms is None else int(every_ms) / 1000,
-            tz=str(r.tz),
-            start_ms=r.start_ms,
-            end_ms=r.end_ms,
-        ),
-        anchor_ms=int(r.anchor_ms),
-        catch_up=str(r.catch_up),
-        catch_up_max=int(r.catch_up_max),
-        overlap=str(r.overlap),
-        retry_schedule_s=None if schedule is None else tuple(float(x) for x in schedule),
+        args=_strings(limits.json_loads(r.args)),
+        recurrence=recurrence,
+        anchor_ms=_time_ms(r.anchor_ms, "anchor_ms"),
+        catch_up=cad.catch_up,
+        catch_up_max=cad.catch_up_max,
+        overlap=cad.overlap,
+        retry_schedule_s=limits.delays(schedule, "retry_schedule_s", StoreError),
         source=str(r.source),
         paused=bool(r.paused),
-        occurrence_ms=r.occurrence_ms,
-        last_scheduled_for_ms=r.last_scheduled_for_ms,
-        last_status=r.last_status,
-        last_finished_ms=r.last_finished_ms,
-        last_success_ms=r.last_success_ms,
-        last_error=r.last_error,
-        created_at_ms=int(r.created_at_ms),
-        updated_at_ms=int(r.updated_at_ms),
+        occurrence_ms=_optional_ms(r.occurrence_ms, "occurrence_ms"),
+        last_scheduled_for_ms=_optional_ms(r.last_scheduled_for_ms, "last_scheduled_for_ms"),
+        last_status=None if r.last_status is None else str(r.last_status),
+        last_finished_ms=_optional_ms(r.last_finished_ms, "last_finished_ms"),
+        last_success_ms=_optional_ms(r.last_success_ms, "last_success_ms"),
+        last_error=None if r.last_error is None else str(r.last_error),
+        created_at_ms=_whole(r.created_at_ms, "created_at_ms"),
+        updated_at_ms=_whole(r.updated_at_ms, "updated_at_ms"),
     )
+
+
+def _whole(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field} {shorten(repr(value), 40)} is no whole number")
+    return value
+
+
+def _time_ms(value: object, field: str) -> int:
+    ms = _whole(value, field)
+    if not MIN_TIME_MS <= ms <= MAX_TIME_MS:
+        raise ValueError(f"{field} {ms} is out of range (1970 to 9000)")
+    return ms
+
+
+def _optional_ms(value: object, field: str) -> int | None:
+    return None if value is None else _time_ms(value, field)
 
 
 def _strings(value: object) -> tuple[str, ...]:
@@ -213,7 +243,35 @@ class RecurringQueries(Ledger):
                 if first_ms is not None:
                     arm = self._put_occurrence(conn, stored, first_ms, now_ms)
                 return Declared("created", arm, stored)
-            current = schedule_row(found)
+            current = readable_schedule(found)
+            if current is None:
+                # Malformed (edited by hand): declared anew over it.
+                self._cancel_occurrence_of(conn, wanted.name, str(found.task_key), now_ms)
+                first_ms = wanted.recurrence.after(now_ms, wanted.anchor_ms)
+                conn.execute(
+                    update(S)
+                    .where(S.c.name == wanted.name)
+                    .values(
+                        anchor_ms=wanted.anchor_ms,
+                        paused=0,
+                        occurrence_ms=first_ms,
+                        last_scheduled_for_ms=None,
+                        last_status=None,
+                        last_finished_ms=None,
+                        last_success_ms=None,
+                        last_error=None,
+                        created_at_ms=now_ms,
+                        updated_at_ms=now_ms,
+                        **_definition_values(wanted),
+                    )
+                )
+                stored = self._get(conn, wanted.name)
+                arm = (
+                    None
+                    if first_ms is None
+                    else self._put_occurrence(conn, stored, first_ms, now_ms)
+                )
+                return Declared("replaced", arm, stored)
             if current.definition() == wanted.definition():
                 return Declared("kept", None, current)
             first_ms = wanted.recurrence.after(now_ms, current.anchor_ms)
@@ -238,12 +296,24 @@ class RecurringQueries(Ledger):
             found = conn.execute(select(S).where(S.c.name == name)).first()
         return None if found is None else readable_schedule(found)
 
-    @retried_once
     def list_schedules(self) -> list[ScheduleRow]:
-        """Every schedule, by name."""
+        """Every schedule, by name (malformed rows left out: `schedules_and_problems`)."""
+        return self.schedules_and_problems()[0]
+
+    @retried_once
+    def schedules_and_problems(self) -> tuple[list[ScheduleRow], list[str]]:
+        """Every sound schedule, by name, and what is wrong with each malformed row (one line
+        each, for a listing to show): a bad row is no reason to show none."""
         with self._tx() as conn:
             rows = conn.execute(select(S).order_by(S.c.name)).all()
-        return [s for s in map(readable_schedule, rows) if s is not None]
+        sound: list[ScheduleRow] = []
+        problems: list[str] = []
+        for r in rows:
+            try:
+                sound.append(_parsed(r))
+            except (KeyExpiryError, ValueError, TypeError, OverflowError, OSError) as exc:
+                problems.append(_report_malformed(r, exc))
+        return sound, problems
 
     @retried_once
     def remove_schedule(self, name: str, now_ms: int) -> str | None:

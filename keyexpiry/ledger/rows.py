@@ -15,8 +15,8 @@ from typing import Any
 from loguru import logger
 
 from keyexpiry import limits
-from keyexpiry.errors import KeyExpiryError, StoreError
-from keyexpiry.keys import SEPARATOR, clip, shorten
+from keyexpiry.errors import KeyExpiryError, KeyFormatError, StoreError
+from keyexpiry.keys import SEPARATOR, clip, escape_arg, parse_key, shorten
 from keyexpiry.log import SaidOnce
 from keyexpiry.printable import printable
 
@@ -42,6 +42,7 @@ class TaskRow:
     method: str
     """The method the key names."""
     args: tuple[str, ...]
+    """The arguments the key names (an args column that says otherwise makes `problem`)."""
     status: TaskStatus | str
     """A `TaskStatus`; a status outside it (a row written outside keyexpiry) is kept as the
     stored text, and `problem` says so: no query of keyexpiry's ever picks such a row up."""
@@ -78,23 +79,25 @@ class TaskRow:
     def result(self) -> Any:
         """The handler's return value, decoded from JSON: None when it returned None, has not
         succeeded yet, or its value could not be kept (then `last_error` says why). Text that
-        is not JSON (a row written outside keyexpiry) comes back as that text."""
+        is not JSON, or nests deeper than `limits.MAX_JSON_DEPTH` (a row written outside
+        keyexpiry), comes back as that text."""
         if self.result_json is None:
             return None
         try:
-            return json.loads(self.result_json)
-        except ValueError:
+            return limits.json_loads(self.result_json)
+        except ValueError:  # not JSON, or nested too deep to decode (`problem` says so)
             return self.result_json
 
     @property
     def payload(self) -> Any:
         """What travels with the task (`create(..., payload=)`), decoded from JSON; None when it
-        has none. Text that is not JSON (written outside keyexpiry) comes back as that text."""
+        has none. Text that is not JSON, or nests deeper than `limits.MAX_JSON_DEPTH` (written
+        outside keyexpiry), comes back as that text."""
         if self.payload_json is None:
             return None
         try:
-            return json.loads(self.payload_json)
-        except ValueError:
+            return limits.json_loads(self.payload_json)
+        except ValueError:  # not JSON, or nested too deep to decode (`problem` says so)
             return self.payload_json
 
     def to_json(self) -> dict[str, Any]:
@@ -298,15 +301,45 @@ def _shown(value: object) -> str:
     return f"{type(value).__name__} {clip(_as_text(value), 60)}"
 
 
-def _args(text: str) -> tuple[tuple[str, ...], str | None]:
-    """A row's arguments, or () and why they cannot be read (a row written by hand)."""
+def _args(text: str) -> tuple[tuple[str, ...] | None, str | None]:
+    """A row's arguments, or None and why they cannot be read (a row written by hand)."""
+    if limits.json_too_deep(text):
+        return None, f"its args column holds JSON nested deeper than {limits.MAX_JSON_DEPTH} levels"
     try:
         args = json.loads(text)
     except ValueError:
-        return (), "its args column is not JSON"
+        return None, "its args column is not JSON"
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        return (), "its args column is not a JSON list of strings"
+        return None, "its args column is not a JSON list of strings"
     return tuple(args), None
+
+
+def _key_args(
+    key: str, prefix: str, column: tuple[str, ...] | None
+) -> tuple[tuple[str, ...] | None, str | None]:
+    """The arguments the task `key` names (None when it names none readably), and the problem
+    when the args column (`column`, None when unreadable) says otherwise. The key is the
+    identity: it is what Redis announces, what a claim finds the row by and what
+    `one_at_a_time` groups by; a handler run with the column's values would be another task."""
+    if column is not None:
+        try:
+            tail = "".join(SEPARATOR + escape_arg(a) for a in column)
+        except KeyFormatError:  # text no key can hold (a lone surrogate)
+            tail = None
+        # The row as keyexpiry writes it, told at once: `{prefix}Class@method` holds one `@`,
+        # an escaped argument none.
+        if tail is not None and key.endswith(tail) and key.count(SEPARATOR) == len(column) + 1:
+            return column, None
+    try:
+        named = parse_key(key, prefix=prefix).args
+    except KeyFormatError:
+        return column, None  # no task key to compare with: `_identity` or the claim says so
+    if column is None or named == column:
+        return named, None
+    return named, (
+        f"its args column says {shorten(repr(list(column)), 80)} but its key names "
+        f"{shorten(repr(list(named)), 80)} (the key is the task's identity)"
+    )
 
 
 def _schedule(r: Any, key: str, attempts: int) -> tuple[float, ...] | None:
@@ -315,7 +348,7 @@ def _schedule(r: Any, key: str, attempts: int) -> tuple[float, ...] | None:
     if r.retry_schedule_s is None:
         return None
     try:
-        return limits.delays(json.loads(r.retry_schedule_s), "retry_schedule_s", StoreError)
+        return limits.delays(limits.json_loads(r.retry_schedule_s), "retry_schedule_s", StoreError)
     except (ValueError, TypeError, StoreError) as exc:
         logger.bind(key=shorten(key, 80), attempt=attempts).warning(
             "ledger row {} has an unusable retry schedule ({}); using the default", r.id, exc
@@ -493,7 +526,7 @@ def _task_row(
     if tag is not None and type(tag) is not str:
         reading = reading or _Reading()
         tag = reading.maybe_text(tag, "tag")
-    args, args_problem = _args(args_text)
+    column_args, args_problem = _args(args_text)
     if args_problem is not None:
         reading = reading or _Reading()
         reading.problems.append(args_problem)
@@ -501,6 +534,15 @@ def _task_row(
     if mismatch is not None:
         reading = reading or _Reading()
         reading.problems.append(mismatch)
+    key_args, args_mismatch = _key_args(key, prefix, column_args)
+    if args_mismatch is not None:
+        reading = reading or _Reading()
+        reading.problems.append(args_mismatch)
+    if payload is not None and limits.json_too_deep(payload):
+        reading = reading or _Reading()
+        reading.problems.append(
+            f"its payload column holds JSON nested deeper than {limits.MAX_JSON_DEPTH} levels"
+        )
     problem: str | None = None
     unreadable: frozenset[str] = frozenset()
     if reading is not None:
@@ -511,7 +553,7 @@ def _task_row(
         key=key,
         class_name=class_name,
         method=method,
-        args=args,
+        args=key_args or (),
         status=status,
         attempts=attempts,
         retry_schedule_s=_schedule(r, key, attempts),

@@ -25,17 +25,21 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
 from loguru import logger
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine.base import TwoPhaseTransaction
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from sqlalchemy.orm import Session
 
 from keyexpiry.errors import ArgumentError, StoreError
 from keyexpiry.keys import excerpt
 
-Tx = Connection | Session
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+# A string: the ORM costs a listener ~0.1 s to import, and only a caller passing a Session needs it.
+Tx: TypeAlias = "Connection | Session"
 """The caller's transaction: a SQLAlchemy `Connection` or ORM `Session` on the ledger's database."""
 
 Sync = Callable[[set[str], set[str]], None]
@@ -44,6 +48,8 @@ Sync = Callable[[set[str], set[str]], None]
 
 def connection_of(tx: object) -> Connection:
     """The Connection whose transaction `tx` names (a Session's for its default bind)."""
+    from sqlalchemy.orm import Session
+
     if isinstance(tx, Session):
         try:
             conn = tx.connection()

@@ -89,6 +89,22 @@ class ClusterSubscription(Subscription):
         return {id(getattr(f.pubsub.connection, "_sock", None)) for f in self._feeds.values()}
 
     # --- connect ------------------------------------------------------------------------------
+    def check_at_start(self) -> None:
+        """`Subscription.check_at_start` on every primary (replicas are `connect`'s to check:
+        one without notifications is logged, not fatal)."""
+        try:
+            topology = self.cluster.topology()
+        except (redis.RedisError, OSError):
+            return
+        for address in topology.primaries:
+            try:
+                client = self.cluster.admin(address)
+                check_notifications(client, configure=self.rt.settings.configure_redis)
+            except RedisConfigError as exc:
+                raise RedisConfigError(f"cluster node {address}: {exc}") from None
+            except (redis.RedisError, OSError):
+                continue
+
     def connect(self) -> None:
         """Read the topology, check every node, subscribe every primary; at least one must be
         subscribed (the others are tried again at every refresh)."""

@@ -12,7 +12,12 @@ chain of work (an event to read, a claim transaction, an outcome to record); key
 same instant share it, so a busy listener pays it once per tick rather than once per key.
 
 Tasks created after a window was read arrive through the wake channel (creators publish tasks due
-soon). One listener at a time drives, elected by a Redis lock, so lookups are not multiplied.
+soon). Anyone who may PUBLISH can write there too, so what it says is kept apart from what the
+ledger says, each bounded by `driver_max_rows`: forged entries cost lookups of keys that are not
+there, never the place of a due row read from the ledger. When more wake entries come than fit
+(a forged flood, or a burst larger than the window), they are dropped, and the window is read
+from the ledger again instead (at most once a second): no real task is dropped unseen.
+One listener at a time drives, elected by a Redis lock, so lookups are not multiplied.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from loguru import logger
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
+from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.keys import driver_lock_key
+from keyexpiry.log import Tally
 from keyexpiry.redis.cluster import by_node
 from keyexpiry.runtime import Runtime
 from keyexpiry.threads import ThreadErrors, spawn
@@ -41,6 +48,10 @@ _LOOKUP_BATCH = 1000
 # time for the driver, traded for keys looked up, announced and claimed together.
 TICK_MS = 4
 _LEASE_MS = 5000
+OVERFLOW_REREAD_S = 1.0
+"""After wake entries were dropped (more than `driver_max_rows` waiting), the window is read
+from the ledger again, at most this often: the real ones among them are late by this much at
+most, and a flood of forged wakes costs a window read a second."""
 _RENEW = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
   return redis.call('pexpire', KEYS[1], ARGV[2])
@@ -78,6 +89,17 @@ class ExpiryDriver:
         """Lookup passes made (`lookups / passes` keys per pass)."""
         self.is_leader = False
         self._heap: list[tuple[int, str]] = []
+        """Upcoming (due, key) read from the ledger."""
+        self._woken: list[tuple[int, str]] = []
+        """(due, key) announced on the wake channel (which anyone may write): kept apart, so a
+        forged entry never takes the place of a row read from the ledger."""
+        self._overflowed = False
+        """Wake entries were dropped since the window was last read (set by `note`)."""
+        self._overflow_read_s = -OVERFLOW_REREAD_S
+        self.wakes_dropped = 0
+        """Wake messages dropped (all or part) because `driver_max_rows` entries waited."""
+        self._dropped_said = Tally(60.0)
+        self._dropped_seen = 0
         self._lock = threading.Lock()
         self._horizon_ms = 0
         self._wake = threading.Event()
@@ -113,17 +135,29 @@ class ExpiryDriver:
                 pass
 
     def note(self, items: Iterable[tuple[str, int]]) -> None:
-        """Tasks announced on the wake channel: track those inside the current window."""
+        """Tasks announced on the wake channel: track those inside the current window. Past
+        `driver_max_rows` of them, the rest is dropped unread (`items` may be lazy: the
+        subscription's reader must keep up with a flood) and the window read again."""
         if not self.is_leader:
             return
-        added = False
+        added = dropped = 0
+        max_rows = self.settings.driver_max_rows
+        woken = self._woken
         with self._lock:
+            horizon_ms = self._horizon_ms
             for key, due_ms in items:
+                if len(woken) >= max_rows:
+                    dropped = 1
+                    break
                 # Beyond the horizon the next window read finds it; inside, only this note does.
-                if due_ms <= self._horizon_ms and len(self._heap) < self.settings.driver_max_rows:
-                    heapq.heappush(self._heap, (due_ms, key))
-                    added = True
-        if added:
+                if due_ms <= horizon_ms:
+                    heapq.heappush(woken, (due_ms, key))
+                    added += 1
+            if dropped:
+                self._overflowed = True
+        if dropped:
+            self.wakes_dropped += 1  # messages, not entries: the rest is never parsed
+        if added or dropped:
             self._wake.set()
 
     def reread(self) -> None:
@@ -137,7 +171,7 @@ class ExpiryDriver:
     def pending_count(self) -> int:
         """Entries waiting in the window (for status and the benchmark)."""
         with self._lock:
-            return len(self._heap)
+            return len(self._heap) + len(self._woken)
 
     # --- loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -165,6 +199,7 @@ class ExpiryDriver:
         if not self._hold_lock(now_ms):
             return 1.0
         window_ms = int(self.settings.driver_window_s * 1000)
+        overflow_in_s = self._after_overflow()
         if self._reread:
             self._reread = False
             with self._lock:
@@ -176,23 +211,65 @@ class ExpiryDriver:
         next_pass = self._last_pass_ms + TICK_MS
         due: list[tuple[int, str]] = []
         with self._lock:
-            next_due = self._heap[0][0] if self._heap else None
+            next_due = self._next_due()
             # Before the tick is over a due key waits for the keys falling due with it.
             if next_due is not None and next_due <= now_ms and now_ms >= next_pass:
-                while self._heap and self._heap[0][0] <= now_ms:
-                    due.append(heapq.heappop(self._heap))
-                next_due = self._heap[0][0] if self._heap else None
+                for heap in (self._heap, self._woken):
+                    while heap and heap[0][0] <= now_ms:
+                        due.append(heapq.heappop(heap))
+                next_due = self._next_due()
         if due:
             self._last_pass_ms = now_ms
             self._look_up(due, now_ms)
             next_pass = now_ms + TICK_MS
             with self._lock:  # the lookups may have put a key back (alive a hair longer)
-                next_due = self._heap[0][0] if self._heap else None
+                next_due = self._next_due()
             now_ms = self.clock.now_ms()
         next_read = self._horizon_ms - window_ms // 2
+        if overflow_in_s is not None:
+            next_read = min(next_read, now_ms + int(overflow_in_s * 1000))
         wake_at = next_read if next_due is None else min(max(next_due, next_pass), next_read)
         # Re-check the lock at least once a second; never sleep past the next due time (or tick).
         return max(0.0, min((wake_at - now_ms) / 1000.0, 1.0))
+
+    def _next_due(self) -> int | None:
+        """The earliest due time waiting, of either source (under `_lock`)."""
+        heap, woken = self._heap, self._woken
+        if heap and woken:
+            return min(heap[0][0], woken[0][0])
+        return heap[0][0] if heap else woken[0][0] if woken else None
+
+    def _after_overflow(self) -> float | None:
+        """Wake entries were dropped: forget the wake entries, forged ones with them, and read
+        the window from the ledger again (`_reread`), where the real ones are, at most once per
+        `OVERFLOW_REREAD_S`. Returns the seconds until that may happen when it may not yet
+        (None: nothing to do)."""
+        now_s = monotonic_s()
+        if n := self._dropped_said.unsaid(now_s):
+            logger.warning(
+                "expiry driver: {} more wake message(s) dropped in the last minute (the window "
+                "read from the ledger instead)",
+                n,
+            )
+        if not self._overflowed:
+            return None
+        wait_s = self._overflow_read_s + OVERFLOW_REREAD_S - now_s
+        if wait_s > 0:
+            return wait_s
+        self._overflow_read_s = now_s
+        with self._lock:
+            self._overflowed = False
+            self._woken.clear()
+        self._reread = True
+        dropped, self._dropped_seen = self.wakes_dropped - self._dropped_seen, self.wakes_dropped
+        if self._dropped_said.add(dropped, now_s):
+            logger.warning(
+                "expiry driver: more than driver_max_rows ({}) wake entries waiting (a burst, "
+                "or messages forged on the wake channel): dropped, and the window read from "
+                "the ledger instead",
+                self.settings.driver_max_rows,
+            )
+        return None
 
     def _hold_lock(self, now_ms: int) -> bool:
         if self.is_leader and now_ms - self._lease_checked_ms < _LEASE_MS // 5:
@@ -204,11 +281,13 @@ class ExpiryDriver:
             # Pick up from a little in the past: what the previous driver may not have reached.
             with self._lock:
                 self._heap.clear()
+                self._woken.clear()
                 self._horizon_ms = now_ms - 5000
         elif not held and self.is_leader:
             logger.info("expiry driver: another listener took over")
             with self._lock:
                 self._heap.clear()
+                self._woken.clear()
         self.is_leader = held
         return held
 

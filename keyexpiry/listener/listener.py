@@ -11,13 +11,14 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from loguru import logger
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import KeyExpiryError, StoreError
+from keyexpiry.keys import task_class_of
 from keyexpiry.ledger.store import Store
 from keyexpiry.listener.cluster_subscription import ClusterSubscription
 from keyexpiry.listener.driver import ExpiryDriver
@@ -28,7 +29,6 @@ from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.listener.routing import Router
 from keyexpiry.listener.subscription import Handlers, Subscription
 from keyexpiry.masking import mask_url
-from keyexpiry.ops.endpoints import Endpoints
 from keyexpiry.pausing import PAUSE_WAKE
 from keyexpiry.redis.sentinel import MasterWatch, follows_sentinel
 from keyexpiry.registry import Registry
@@ -36,6 +36,9 @@ from keyexpiry.runner.dispatch import Dispatcher
 from keyexpiry.runtime import Runtime
 from keyexpiry.settings import Settings
 from keyexpiry.threads import ThreadErrors, spawn
+
+if TYPE_CHECKING:
+    from keyexpiry.ops.endpoints import Endpoints
 
 _LEDGER_THREADS = 8
 _PAUSE_WAKE = PAUSE_WAKE.encode()
@@ -63,12 +66,17 @@ class Listener:
         self.settings, self.registry, self.store = settings, rt.registry, rt.store
         self.redis, self.clock, self.owner = rt.redis, rt.clock, rt.owner
         self._stop = threading.Event()
+        self.warmed = threading.Event()
+        """Set once the ledger connections are open and the claims compiled (`_warm_up`)."""
         self.dispatcher = Dispatcher(rt)
         self.reconciler = Reconciler(
             rt,
             submit=self.dispatcher.submit,
             mine=lambda key: self.fleet.partition.owns_key(key, rt.settings.key_prefix),
         )
+        # One account of malformed task rows: one the walk reported is not said again when a
+        # claim meets it.
+        self.dispatcher.executor.malformed = self.reconciler.malformed
         self.driver = ExpiryDriver(rt)
         self.fleet = Fleet(
             rt,
@@ -100,6 +108,7 @@ class Listener:
             owns=self.fleet.partition.owns,
             leads=self.fleet.partition.leads,
         )
+        self.dispatcher.claimer.find_due = self._due_keys
         self.maintenance = Maintenance(
             rt,
             self.reconciler,
@@ -147,8 +156,18 @@ class Listener:
             len(self.registry.specs()),
             self.settings.concurrency,
         )
+        try:
+            # Before anything is written (schema, schedules, sentinels) or started: a listener
+            # that cannot start must leave nothing behind and stop at once.
+            self.subscription.check_at_start()
+        except BaseException:
+            self.rt.close()
+            restore()
+            raise
         self.maintenance.ensure_schema()
-        self._warm_up()
+        # Beside the start, not before it: it took 0.15-0.3 s, and every task due in a
+        # restart's window waited that much longer for the subscription.
+        warm_up = spawn("warm-up", self._warm_up, stopped=self._stop, errors=self.thread_errors)
         # Before the first claim: a paused method must stay paused across a restart.
         self.dispatcher.gate.read_pauses()
         self._declare_schedules()
@@ -183,6 +202,9 @@ class Listener:
             self.subscription.serve()
             self._hand_over()
         finally:
+            # `serve` also returns on an error at its first connect: the threads that stop on
+            # `_stop` must stop then too, not be waited for and go on working.
+            self._stop.set()
             self.subscribed.clear()
             logger.info(
                 "listener stopping: finishing running handlers (up to {:g} s)",
@@ -197,6 +219,7 @@ class Listener:
             self.subscription.close()
             self.maintenance.wake()
             maintenance.join(timeout=5)
+            warm_up.join(timeout=5)
             if endpoints is not None:
                 endpoints.stop()
             self.rt.close()
@@ -204,15 +227,17 @@ class Listener:
             logger.info("listener stopped")
 
     def _warm_up(self) -> None:
-        """Before the first event: open a pooled connection for each of the threads that use
-        the ledger at once, and compile the claim and outcome statements, so neither happens
-        while due tasks wait (each showed up as a 10-90 ms stall of a wave right after a start).
-        A ledger out of reach now is the threads' to retry."""
+        """While the subscription is made: open a pooled connection for each of the threads
+        that use the ledger at once, and compile the claim and outcome statements, so neither
+        happens while due tasks wait (each showed up as a 10-90 ms stall of a wave right after a
+        start); `warmed` is set when done. A ledger out of reach now is the threads' to retry."""
         try:
             self.store.open_connections(_LEDGER_THREADS)
             self.store.prepare_claims(self.settings.claim_batch)
         except StoreError as exc:
             logger.debug("warm-up skipped: {}", exc)
+        finally:
+            self.warmed.set()
 
     def _declare_schedules(self) -> None:
         """Declare the `@exposed(cron=…)` schedules now; out of reach, the self-check does."""
@@ -236,6 +261,9 @@ class Listener:
 
     def serve_http(self) -> Endpoints:
         """Start serving /metrics, /healthz and /readyz on `settings.http` (see `endpoints`)."""
+        # Here, not at the top: a listener without --http does not pay for importing it.
+        from keyexpiry.ops.endpoints import Endpoints
+
         self.endpoints = Endpoints(self, self.settings.http)
         self.endpoints.start()
         return self.endpoints
@@ -259,7 +287,9 @@ class Listener:
             "evicted": self.evicted,
             "done": self.dispatcher.stats.done,
             "thread_errors": self.thread_errors.count,
-            "malformed_rows": self.reconciler.malformed.count,
+            "malformed_rows": (
+                self.reconciler.malformed.count + self.dispatcher.gate.malformed.count
+            ),
             "failing": self.failing(),
         }
 
@@ -306,6 +336,25 @@ class Listener:
             return
         self.router.handle_wake(data)
 
+    def _due_keys(self, limit: int) -> list[str]:
+        """Up to `limit` keys of due tasks this listener runs (its share, classes it
+        registers, not held back by flow control), from the ledger: the claimer takes these
+        first while a flood of events is dropped or holds the queue up."""
+        prefix = self.settings.key_prefix
+        partition, gate = self.fleet.partition, self.dispatcher.gate
+
+        def runs_here(key: str) -> bool:
+            name = task_class_of(key.encode(), prefix.encode())
+            return (
+                name is not None
+                and self.registry.has_class(name)
+                and partition.owns_key(key, prefix)
+                and not gate.holds(key)
+            )
+
+        due = self.reconciler.overdue_keys(self.clock.now_ms(), limit, runs_here)
+        return [key for key, _ in due]
+
     def _self_check(self, now_s: float) -> None:
         self.health.self_check(now_s)
 
@@ -346,6 +395,11 @@ class Listener:
         return self.router.wakes_refused
 
     @property
+    def wakes_dropped(self) -> int:
+        """Wake messages the driver dropped (all or part) because its window was full."""
+        return self.driver.wakes_dropped
+
+    @property
     def canaries_seen(self) -> int:
         """Our canary's events heard."""
         return self.health.canaries_seen
@@ -374,9 +428,17 @@ class Listener:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
-        def handler(signum: int, _frame: FrameType | None) -> None:
-            logger.info("received {}: stopping", signal.Signals(signum).name)
+        def stopping(name: str) -> None:
+            logger.info("received {}: stopping", name)
             self.stop()
+
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            # Not here: the signal may land while this thread holds a lock the stop takes (an
+            # Event's, loguru's), and taking it again would hang the listener for good.
+            name = signal.Signals(signum).name
+            spawned = threading.Thread(target=stopping, args=(name,), name="keyexpiry-stop")
+            spawned.daemon = True
+            spawned.start()
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 

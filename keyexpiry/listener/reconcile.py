@@ -13,6 +13,7 @@ from typing import Any
 from loguru import logger
 
 from keyexpiry import retries
+from keyexpiry.clock import iso_ms
 from keyexpiry.errors import UnknownTaskError
 from keyexpiry.keys import excerpt, task_class_of
 from keyexpiry.ledger.rows import MalformedRows, TaskRow, TaskStatus
@@ -346,7 +347,7 @@ class Reconciler:
                 early = row.due_at_ms < MIN_DUE_MS
                 when = "before 1970" if early else "past the 100-year horizon"
                 fate = "run as due now" if early else "left as it is"
-                problem = f"its due time {row.due_at_ms} ms is {when}"
+                problem = f"its due time {iso_ms(row.due_at_ms)} is {when}"
                 self.malformed.report(row.key, problem, fate, attempt=row.attempts)
             sound.append(row)
         return sound

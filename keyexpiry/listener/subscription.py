@@ -172,6 +172,15 @@ class Subscription:
             self._health.reconnect_wanted = True
         self._retry_now.set()
 
+    def check_at_start(self) -> None:
+        """The start checks that retrying cannot fix (notifications off, a replica), made
+        before the listener writes anything: RedisConfigError here stops it. Redis out of reach
+        passes: `serve` retries that, and `connect` checks again."""
+        try:
+            check_notifications(self.rt.redis, configure=self.rt.settings.configure_redis)
+        except (redis.RedisError, OSError):
+            pass
+
     def connect(self) -> None:
         """Check the server, subscribe (confirmed), arm sentinels, ask for a reconciliation."""
         client, settings, health = self.rt.redis, self.rt.settings, self._health

@@ -80,6 +80,37 @@ def run_checks(rt: Runtime, *, fix: bool = False) -> list[Check]:
     except KeyExpiryError as exc:
         checks.append(Check("database", "fail", str(exc)))
     checks.append(_clock_check(client, store))
+    if any(c.name == "table" and c.status == "ok" for c in checks):
+        checks.extend(_registered_checks(rt))
+    return checks
+
+
+def _registered_checks(rt: Runtime) -> list[Check]:
+    """Schedules and pending tasks of classes no live listener registers (they wait, silently:
+    a typo in a schedule's task, a class gone from the code), and malformed schedule rows."""
+    from keyexpiry.recurring import live_classes, unregistered, unregistered_note
+
+    try:
+        schedules, problems = rt.store.schedules_and_problems()
+        classes = live_classes(rt)
+        waiting = {} if classes is None else rt.store.pending_by_class(classes)
+    except KeyExpiryError as exc:
+        return [Check("schedules", "warn", f"cannot read them: {exc}")]
+    checks = [Check("schedules", "warn", problem + " (ignored)") for problem in problems]
+    if classes is None:
+        return checks
+    flagged = unregistered(schedules, classes)
+    checks += [
+        Check("schedules", "warn", unregistered_note(s, classes))
+        for s in schedules
+        if s.name in flagged
+    ]
+    if waiting:
+        listed = ", ".join(f"{name} ({n})" for name, n in waiting.items())
+        who = "no listener is running" if not classes else "no live listener registers"
+        checks.append(Check("tasks", "warn", f"pending tasks wait, {who}: {listed}"))
+    if not problems and not flagged and not waiting:
+        checks.append(Check("registered", "ok", "every schedule and pending task has a listener"))
     return checks
 
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import errno
 import io
-import resource
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -21,8 +19,8 @@ from loguru import logger
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import ConfigError
+from keyexpiry.ops.connections import ACCEPT_PAUSE_S, HttpLimits, OncePer, Slots
 from keyexpiry.ops.metrics import LatestAnswer, LedgerCollector, ListenerCollector
 from keyexpiry.ops.observed import ObservedListener
 from keyexpiry.settings import parse_bind as _parse_bind
@@ -33,43 +31,8 @@ _LEDGER_PROBE_EVERY_S = 1.0
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """What one client of the port can cost: the port is unauthenticated, so anyone who reaches
-    it may open connections and never finish them (slowloris)."""
-
-    max_connections: int = 32
-    """Connections served at once (a scraper and a few probes need a handful). Lowered to a
-    sixteenth of RLIMIT_NOFILE when that is smaller: the listener's own Redis and ledger
-    connections must always find a descriptor."""
-    kept_for_healthz: int = 2
-    """Connections accepted beyond `max_connections`. At most `max_connections` are busy
-    answering `/readyz` or `/metrics` (others get 503 at once); `/healthz` does no I/O and is
-    always answered, so a liveness probe gets in while every other slot is busy."""
-    ledger_wait_s: float = 1.0
-    """How long a `/readyz` or `/metrics` waits for a ledger query under way (counted from when
-    it started); past that it answers without it (not ready; the last counts)."""
-    head_timeout_s: float = 5.0
-    """The whole request head (request line and headers) must arrive within this."""
-    io_timeout_s: float = 5.0
-    """Each read or write of a connection, once its head is in."""
-    connection_deadline_s: float = 30.0
-    """No connection lives longer (a client that reads its response a byte at a time)."""
-    max_head_bytes: int = 8192
-    """A longer request head is refused with 431 (http.client alone would take 6 MiB)."""
-
-    def connection_cap(self) -> int:
-        """`max_connections`, or fewer when the process may open few descriptors."""
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY:
-            return self.max_connections
-        return max(2, min(self.max_connections, soft // 16))
-
-
-_ACCEPT_PAUSE_S = 0.5
-"""After accept() fails for want of a descriptor: without a pause the listening socket stays
-readable and the accept loop spins at 100 % CPU."""
+# HttpLimits lived here before `keyexpiry web` shared it: still importable from here.
+__all__ = ["Endpoints", "HttpLimits", "Readiness", "parse_bind"]
 
 
 def parse_bind(value: str) -> tuple[str, int]:
@@ -254,125 +217,26 @@ def _head_as_get(app: WsgiApp) -> WsgiApp:
     return wrapped
 
 
-@dataclass
-class _Connection:
-    sock: socket.socket
-    opened_s: float
-    reading_head: bool = True
-    busy: bool = False  # answering something other than /healthz (which needs no I/O)
-    evicted: bool = False
-
-
-class _Slots:
-    """The connections being served: at most `cap` busy answering, and `kept` more accepted for
-    `/healthz`; twice their sum counting the evicted, whose threads are ending. A bound on the
-    port's descriptors and threads."""
-
-    def __init__(self, limits: HttpLimits) -> None:
-        self.limits = limits
-        self.cap = limits.connection_cap()
-        self.kept = max(1, limits.kept_for_healthz)
-        self._lock = threading.Lock()
-        self._open: dict[int, _Connection] = {}
-
-    def admit(self, sock: socket.socket) -> bool:
-        """Take a slot for a new connection. When all are taken, the oldest connection still
-        sending its head is closed to make room (half-finished requests cannot starve a
-        prompt one); when every slot is answering, the newcomer is refused. At most `cap` of
-        them are busy (`head_read`), so this happens only while the kept ones answer at once."""
-        now = monotonic_s()
-        total = self.cap + self.kept
-        with self._lock:
-            self._reap_locked(now)
-            live = [c for c in self._open.values() if not c.evicted]
-            if len(live) >= total:
-                idle = [c for c in live if c.reading_head]
-                if not idle:
-                    return False
-                self._evict(min(idle, key=lambda c: c.opened_s))
-            if len(self._open) >= 2 * total:
-                return False
-            self._open[id(sock)] = _Connection(sock, now)
-            return True
-
-    def head_read(self, sock: socket.socket, path: str | None) -> bool:
-        """The connection's request head is in, asking for `path` (None: refused, answered at
-        once): from now it is answered, not evicted. False when it asks for anything but
-        `/healthz` while `cap` connections are busy already: it is to be refused at once."""
-        with self._lock:
-            conn = self._open.get(id(sock))
-            if conn is None:
-                return True
-            conn.reading_head = False
-            if path is None or path == "/healthz":
-                return True
-            if self._busy_locked() >= self.cap:
-                return False
-            conn.busy = True
-            return True
-
-    def busy(self) -> int:
-        """Connections answering something other than `/healthz`."""
-        with self._lock:
-            return self._busy_locked()
-
-    def _busy_locked(self) -> int:
-        return sum(1 for c in self._open.values() if c.busy and not c.evicted)
-
-    def release(self, sock: socket.socket) -> None:
-        """The connection's thread is done with it."""
-        with self._lock:
-            self._open.pop(id(sock), None)
-
-    def reap(self) -> None:
-        """Close connections past their head timeout or their deadline."""
-        with self._lock:
-            self._reap_locked(monotonic_s())
-
-    def close_all(self) -> None:
-        with self._lock:
-            for conn in self._open.values():
-                self._evict(conn)
-
-    def _reap_locked(self, now: float) -> None:
-        for conn in self._open.values():
-            age = now - conn.opened_s
-            late_head = conn.reading_head and age > self.limits.head_timeout_s
-            if not conn.evicted and (late_head or age > self.limits.connection_deadline_s):
-                self._evict(conn)
-
-    @staticmethod
-    def _evict(conn: _Connection) -> None:
-        # shutdown, never close: the blocked read in the connection's thread returns at once,
-        # and the descriptor is closed by that thread, so it cannot be reused under it.
-        conn.evicted = True
-        try:
-            conn.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed by its thread
-
-
 class _BoundedServer(ThreadingWSGIServer):
     """prometheus_client's thread-per-connection server with the connections bounded
-    (`_Slots`), heads timed out and accept() paused when descriptors run out."""
+    (`Slots`), heads timed out and accept() paused when descriptors run out."""
 
     request_queue_size = 64  # the kernel's backlog: costs the process no descriptor
-    slots: _Slots
+    slots: Slots
 
     def configure(self, limits: HttpLimits) -> None:
-        self.slots = _Slots(limits)
-        self._accept_warned_s = -1e9
-        self._thread_warned_s = -1e9
+        self.slots = Slots(limits)
+        self._accept_warning = OncePer(60)
+        self._thread_warning = OncePer(60)
 
     def get_request(self) -> tuple[socket.socket, Any]:
         try:
             return super().get_request()
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                if monotonic_s() - self._accept_warned_s > 60:
-                    self._accept_warned_s = monotonic_s()
+                if self._accept_warning.due():
                     logger.warning("--http: cannot accept connections: {}; pausing", exc)
-                time.sleep(_ACCEPT_PAUSE_S)
+                time.sleep(ACCEPT_PAUSE_S)
             raise
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
@@ -386,8 +250,7 @@ class _BoundedServer(ThreadingWSGIServer):
             # client's, and nothing else will release the slot or close the connection.
             self.slots.release(request)
             self.shutdown_request(request)
-            if monotonic_s() - self._thread_warned_s > 60:
-                self._thread_warned_s = monotonic_s()
+            if self._thread_warning.due():
                 logger.warning(
                     "--http: cannot start a thread to answer {}: {}: {}; connection closed "
                     "(said once a minute)",

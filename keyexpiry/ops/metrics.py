@@ -21,6 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from keyexpiry.clock import monotonic_s
+from keyexpiry.ledger.recurring import MALFORMED_SCHEDULES
 from keyexpiry.ops.observed import ObservedListener
 from keyexpiry.runner.gate import Gate
 
@@ -398,12 +399,17 @@ class ListenerCollector(Collector):
             "keyexpiry_events_ignored",
             "Events not acted on: foreign (another application's key), refused (looked like a "
             "task but is not a runnable one), other_listener (a task key in a live peer's "
-            "share).",
+            "share), no_row (a task key with no ledger row: forged, or its row deleted), "
+            "intake_full (dropped in a flood; due tasks are read from the ledger instead), "
+            "wake_dropped (wake messages past driver_max_rows; the window is read instead).",
             labels=["reason"],
         )
         ignored.add_metric(["foreign"], lst.foreign)
         ignored.add_metric(["refused"], lst.ignored)
         ignored.add_metric(["other_listener"], lst.router.others_share)
+        ignored.add_metric(["no_row"], stats.no_row)
+        ignored.add_metric(["intake_full"], stats.intake_full)
+        ignored.add_metric(["wake_dropped"], lst.wakes_dropped)
         yield ignored
         yield from _flow(lst.dispatcher.gate)
         share = lst.fleet.partition
@@ -443,8 +449,9 @@ class ListenerCollector(Collector):
         yield _counter(
             "keyexpiry_malformed_rows",
             "Ledger rows keyexpiry would not have written, met by this listener (each logged "
-            "once, with its key): shown marked, skipped or run as due now (docs/GUARANTEES.md).",
-            rec.malformed.count,
+            "once, with its key): shown marked, skipped or run as due now (docs/GUARANTEES.md); "
+            "pause rows pause nothing.",
+            rec.malformed.count + lst.dispatcher.gate.malformed.count + MALFORMED_SCHEDULES.count,
         )
         yield _counter(
             "keyexpiry_reconciliations", "Full reconciliation passes.", lst.reconciles_done

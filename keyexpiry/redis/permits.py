@@ -18,9 +18,18 @@ from typing import Any
 
 import redis
 
+from keyexpiry import limits
+
 GRANTED, LIMIT, GROUP, RATE = 0, 1, 2, 3
 """What `Permits.acquire` answers for each candidate."""
 REASONS = {LIMIT: "limit", GROUP: "group", RATE: "rate"}
+PERMIT_TTL_MAX_MS = 86_400_000
+"""The longest a permit lasts unrefreshed: `takeover_after_s`'s highest value (one day). A
+permit due to expire later than that from now was written by no listener (forged, or a clock
+gone wrong): it is dropped, not kept for ever."""
+HELD_COUNT_MAX = 1_000_000
+"""Most tasks one listener can say it holds back (`runner.gate.HELD_MAX` is 200,000): a count
+beyond, or one that is no whole number, makes its entry no listener's."""
 
 # A member is "group \n token \n task key": its group is read back when it expires unreleased.
 _ACQUIRE = """
@@ -37,8 +46,20 @@ for _, m in ipairs(gone) do
   if g and g ~= '' and redis.call('HGET', KEYS[2], g) == m then redis.call('HDEL', KEYS[2], g) end
 end
 if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms) end
+-- Expiring further ahead than any listener's ttl: written by none of them, dropped.
+local far = '(' .. (now_ms + PERMIT_TTL_MAX_MS)
+local forged = redis.call('ZRANGEBYSCORE', KEYS[1], far, '+inf')
+for _, m in ipairs(forged) do
+  local g = string.match(m, '^([^\\n]*)\\n')
+  if g and g ~= '' and redis.call('HGET', KEYS[2], g) == m then redis.call('HDEL', KEYS[2], g) end
+end
+if #forged > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], far, '+inf') end
 local running = redis.call('ZCARD', KEYS[1])
-local tat = tonumber(redis.call('GET', KEYS[3]) or '0')
+-- A rate's time is never further ahead than one start past the burst; one that is (forged,
+-- or left by a slower rate since changed) or is no number is taken as that bound, and written
+-- back so below: it can hold starts back by one interval, never for ever.
+local tat = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
+if tat ~= tat or tat > now_us + tolerance + interval then tat = now_us + tolerance + interval end
 local out = {}
 local wait = 0
 local n = (#ARGV - 4) / 2
@@ -134,6 +155,9 @@ class Terms:
     """How far ahead of the spacing a start may come (the burst)."""
 
 
+_ACQUIRE = _ACQUIRE.replace("PERMIT_TTL_MAX_MS", str(PERMIT_TTL_MAX_MS))
+
+
 class Permits:
     """The scripts on one Redis client (a single server, Sentinel's master or a Cluster)."""
 
@@ -156,8 +180,12 @@ class Permits:
         for m, group in candidates:
             argv += [m, group]
         answer = self._acquire(keys=task_keys(task, self._prefix), args=argv)
-        codes = [int(c) for c in answer[:-1]]
-        return codes, int(answer[-1]) / 1_000_000
+        if not isinstance(answer, list) or len(answer) != len(candidates) + 1:
+            raise redis.ResponseError(f"flow permits: an answer not the script's: {answer!r:.80}")
+        # Bounded as the script bounds them: an answer it cannot give holds back, briefly.
+        codes = [c if c in (GRANTED, LIMIT, GROUP, RATE) else LIMIT for c in answer[:-1]]
+        wait_us = answer[-1] if isinstance(answer[-1], int) else 0
+        return codes, min(max(wait_us, 0), terms.interval_us) / 1_000_000
 
     def refresh(self, task: str, members: Sequence[str]) -> None:
         """Push out the expiry of permits still in use (and write back any Redis lost)."""
@@ -195,13 +223,28 @@ def held_counts(
     totals: dict[str, dict[str, int]] = {}
     for raw in client.hvals(held_key(prefix)):
         try:
-            entry = json.loads(raw)
-            if now_ms - int(entry["at_ms"]) > stale_ms:
+            entry = limits.json_loads(raw)
+            # Ahead of now as well (no listener's clock is: they all read Redis's) it is stale:
+            # a forged entry dated in 2100 would count for ever.
+            if abs(now_ms - _whole(entry["at_ms"], 2**63)) > stale_ms:
                 continue
-            for task, reasons in dict(entry["held"]).items():
-                for reason, count in dict(reasons).items():
-                    into = totals.setdefault(str(task), {})
-                    into[str(reason)] = into.get(str(reason), 0) + int(count)
-        except (ValueError, KeyError, TypeError):
-            continue  # not one of ours: ignored
+            # Read whole before any of it counts: an entry is ours entirely or not at all.
+            counts = [
+                (str(task), str(reason), _whole(count, HELD_COUNT_MAX))
+                for task, reasons in dict(entry["held"]).items()
+                for reason, count in dict(reasons).items()
+            ]
+        except (ValueError, KeyError, TypeError, OverflowError):
+            continue  # not one of ours (anyone who can write to Redis can write here): ignored
+        for task, reason, count in counts:
+            into = totals.setdefault(task, {})
+            into[reason] = into.get(reason, 0) + count
     return totals
+
+
+def _whole(value: object, most: int) -> int:
+    """`value` if it is a whole number from 0 to `most` (as `publish_held` writes them);
+    ValueError otherwise (a real, a bool, text, a count no listener holds)."""
+    if type(value) is not int or not 0 <= value <= most:
+        raise ValueError(f"not a whole number from 0 to {most}")
+    return value

@@ -3,29 +3,36 @@ transaction per batch) and handed to the workers as claimed runs."""
 
 from __future__ import annotations
 
-import collections
 import itertools
-import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
 from loguru import logger
 
 from keyexpiry import retries, tracing
+from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import KeyExpiryError, StoreError, UnknownTaskError
 from keyexpiry.keys import excerpt, parse_key
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
-from keyexpiry.log import SaidOnce
+from keyexpiry.log import SaidOnce, Tally
 from keyexpiry.registry import TaskSpec
 from keyexpiry.runner.gate import Gate
 from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
+from keyexpiry.runner.intake import INTAKE_MAX_KEYS, Intake
 from keyexpiry.runtime import Runtime
 from keyexpiry.threads import Backoff, ThreadErrors
 
 _WARNED_UNKNOWN_MAX = 1000
 """Unknown classes and methods explained once each; past this many, only at debug level."""
+DUE_SCAN_EVERY_S = 0.2
+"""While events are dropped, or keys with no ledger row hold the queue up, the ledger is asked
+this often at most which tasks are due: those go first."""
+DUE_PAGE_KEYS = 1024
+"""Due tasks read from the ledger at a time (or 4 claims' worth, for a larger `claim_batch`)."""
+SUMMARY_EVERY_S = 60.0
+"""Keys with no row and dropped events are each said once, then summed up at most this often."""
 
 
 @dataclass(frozen=True)
@@ -42,72 +49,6 @@ class _Unsettled:
     before it starts, or finds the row taken over)."""
 
 
-class Intake:
-    """Keys waiting for their claim, each queued once however often it is seen (its event and
-    a reconciliation after a reconnect); `submit` never blocks."""
-
-    def __init__(self, stats: DispatchStats, max_backlog: int) -> None:
-        self._stats = stats
-        self._max_backlog = max_backlog
-        self._incoming: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._backlog: collections.deque[str] = collections.deque()
-        self._queued: set[str] = set()  # keys in _incoming or _backlog
-        self._lock = threading.Lock()
-
-    def submit(self, keys: Iterable[str]) -> None:
-        """Queue keys not already waiting."""
-        keys = list(keys)  # may be lazy: never read it under the lock
-        with self._lock:
-            for key in keys:
-                self._stats.submitted += 1
-                if key in self._queued:
-                    self._stats.already_queued += 1
-                    continue
-                self._queued.add(key)
-                self._incoming.put(key)
-
-    def wake(self) -> None:
-        """End a `wait` now (flow control: held keys may be offered); never blocks."""
-        self._incoming.put("")
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for a key; True when one waits."""
-        if self._backlog:
-            return True
-        try:
-            self._backlog.append(self._incoming.get(timeout=timeout_s))
-        except queue.Empty:
-            return False
-        return True
-
-    def take(self, room: int) -> list[str]:
-        """Up to `room` keys, off the queue: a sighting during their claim (the task moved and
-        fell due again) queues a key anew."""
-        while len(self._backlog) < self._max_backlog:
-            try:
-                self._backlog.append(self._incoming.get_nowait())
-            except queue.Empty:
-                break
-        batch: list[str] = []
-        with self._lock:
-            while self._backlog and len(batch) < room:
-                key = self._backlog.popleft()
-                if key:  # not a wake-up
-                    batch.append(key)
-                    self._queued.discard(key)
-        return batch
-
-    def requeue(self, keys: list[str]) -> None:
-        """Put keys whose claim failed back at the head of the queue (unless queued again)."""
-        with self._lock:
-            again = [k for k in keys if k not in self._queued]
-            self._queued.update(again)
-            self._backlog.extendleft(reversed(again))
-
-    def __len__(self) -> int:
-        return self._incoming.qsize() + len(self._backlog)
-
-
 class Claimer:
     """The claim loop: waits for room among the workers, claims a batch, queues the runs."""
 
@@ -120,7 +61,19 @@ class Claimer:
         gate: Gate,
     ) -> None:
         self.rt = rt
-        self.intake = Intake(stats, rt.settings.claim_batch * 4)
+        batch = rt.settings.claim_batch
+        self.intake = Intake(stats, batch * 4, max(INTAKE_MAX_KEYS, batch * 16))
+        self._due_page = max(DUE_PAGE_KEYS, batch * 4)
+        self.find_due: Callable[[int], list[str]] | None = None
+        """Up to n keys of due tasks this listener would run, read from the ledger (set by the
+        listener; without it dropped events wait for the overdue check)."""
+        self._due_wanted = False
+        self._due_read_s = -DUE_SCAN_EVERY_S
+        self._claimed_at_read: int | None = None
+        """Claims won when a full page of due tasks was read (None: the page was not full)."""
+        self._no_row = Tally(SUMMARY_EVERY_S)
+        self._dropped = Tally(SUMMARY_EVERY_S)
+        self._dropped_seen = 0
         self.gate = gate
         gate.wake = self.intake.wake
         self._inflight = inflight
@@ -148,6 +101,8 @@ class Claimer:
                 batch, token = unsettled.keys, unsettled.token
                 times: tuple[int, int] | None = (unsettled.now_ms, unsettled.lease_until_ms)
             else:
+                self._read_due_first()
+                self._say_tallies()
                 gate = self.gate
                 if not self.intake.wait(gate.wait_s(0.1)) and gate.wait_s(0.1) > 0:
                     continue
@@ -198,6 +153,69 @@ class Claimer:
                 self.stop.wait(wait_s)
             finally:
                 self.claiming = False
+
+    def _read_due_first(self) -> None:
+        """While events are dropped (the intake full) or keys with no row hold the queue up,
+        read the due tasks from the ledger and queue them ahead of every event: due work never
+        waits behind a flood, and a dropped event of a real task costs it a moment, not its
+        run."""
+        intake = self.intake
+        if intake.overflowed:
+            intake.overflowed = False
+            self._due_wanted = True
+            dropped = self._stats.intake_full
+            if self._dropped.add(dropped - self._dropped_seen, monotonic_s()):
+                logger.warning(
+                    "more task keys heard than the intake holds ({} waiting): events dropped "
+                    "and counted, due tasks read from the ledger instead",
+                    len(intake),
+                )
+            self._dropped_seen = dropped
+        find_due = self.find_due
+        if not self._due_wanted or find_due is None or intake.first_count():
+            return
+        now_s = monotonic_s()
+        # After a full page whose tasks ran, read on at once: a backlog of dropped events (a
+        # start-up after downtime) drains at the claims' pace, not a page per interval.
+        full = self._claimed_at_read
+        read_on = full is not None and self._stats.claimed > full
+        if now_s - self._due_read_s < DUE_SCAN_EVERY_S and not read_on:
+            return
+        self._due_read_s = now_s
+        limit = self._due_page
+        try:
+            keys = find_due(limit)
+        except (StoreError, redis.RedisError) as exc:
+            # Still wanted: read again at the next turn. The claims fail too, and say so.
+            logger.debug("reading due tasks from the ledger failed: {}", exc)
+            return
+        except Exception:
+            self._errors.add("claimer")
+            logger.exception("reading due tasks from the ledger failed")
+            return
+        self._due_wanted = len(keys) >= limit  # a full page: more may be due
+        self._claimed_at_read = self._stats.claimed if self._due_wanted else None
+        if keys:
+            self._stats.found_due += len(keys)
+            intake.put_first(keys)
+
+    def _say_tallies(self) -> None:
+        """Sum up what was counted and not said (keys with no row, dropped events)."""
+        now_s = monotonic_s()
+        if n := self._no_row.unsaid(now_s):
+            logger.warning(
+                "{} more task key(s) with no ledger row in the last {:g} s (forged, or rows "
+                "deleted): ignored",
+                n,
+                SUMMARY_EVERY_S,
+            )
+        if n := self._dropped.unsaid(now_s):
+            logger.warning(
+                "{} more event(s) dropped in the last {:g} s (the intake was full): due tasks "
+                "read from the ledger instead",
+                n,
+                SUMMARY_EVERY_S,
+            )
 
     def unsettled_keys(self) -> int:
         """Keys of a claim whose commit's outcome is unknown, waiting to be claimed again."""
@@ -350,21 +368,22 @@ class Claimer:
         """Explain keys that were not claimed, and re-arm a pending task whose key is gone."""
         rows = self.rt.store.get_many(keys)
         rearm: list[TaskRow] = []
+        rowless: list[str] = []
         for key in keys:
             row = rows.get(key)
-            log = logger.bind(key=key, attempt=row.attempts if row else 0)
             if row is None:
-                # A registered task's key with no row: a create whose commit the ledger lost
-                # (a failover under asynchronous replication), a row deleted by hand, or a key
-                # set without one. Nothing can run it; an operator should hear of it.
-                log.warning("no ledger row for this task's key (lost or never written): ignored")
+                rowless.append(key)
             elif row.status is TaskStatus.PENDING:
                 # A stale event (task rescheduled), this host's clock a hair behind Redis's, or
                 # a row that fell due since the claim: if its key is gone, nothing else would
                 # announce it (a due time already past expires at once).
                 rearm.append(row)
             else:
-                log.debug("not claimed: task is {}", row.status)
+                logger.bind(key=key, attempt=row.attempts).debug(
+                    "not claimed: task is {}", row.status
+                )
+        if rowless:
+            self._note_rowless(rowless)
         if rearm:
             existing = self.rt.redis.pipeline(transaction=False)
             for row in rearm:
@@ -372,6 +391,21 @@ class Claimer:
             present = existing.execute()
             missing = [r for r, p in zip(rearm, present, strict=True) if not p]
             self.rt.arm([(r.key, r.due_at_ms) for r in missing])
+
+    def _note_rowless(self, keys: list[str]) -> None:
+        """A registered task's key with no row: a create whose commit the ledger lost (a
+        failover under asynchronous replication), a row deleted by hand, a key set without
+        one, or a forged event. Nothing can run it; an operator should hear of it, once a
+        minute, not once a key (anyone who may PUBLISH can send a million)."""
+        self._stats.no_row += len(keys)
+        if len(self.intake):
+            # Keys with no row ahead of others: real tasks may be waiting behind a flood.
+            self._due_wanted = True
+        if self._no_row.add(len(keys), monotonic_s()):
+            more = f" ({len(keys) - 1} more such key(s) in this claim)" if len(keys) > 1 else ""
+            logger.bind(key=keys[0], attempt=0).warning(
+                "no ledger row for this task's key (lost or never written): ignored{}", more
+            )
 
 
 def _log_locked(key: str, exc: StoreError) -> None:

@@ -46,7 +46,7 @@ class Dispatcher:
         self.inflight = InFlight(
             rt.settings.concurrency, rt.settings.claim_batch, rt.settings.async_concurrency
         )
-        self.gate = Gate(rt)
+        self.gate = Gate(rt, self.thread_errors)
         """Flow control: pauses, fleet-wide limits, rates and groups (`runner.gate`)."""
         self.inflight.on_leave = self.gate.release
         self.claimer = Claimer(rt, self.inflight, self.stats, self.thread_errors, self.gate)

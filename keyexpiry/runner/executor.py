@@ -3,7 +3,6 @@ their timeout, and each ended run becomes an outcome (done, retry at a time, or 
 
 from __future__ import annotations
 
-import datetime as dt
 import inspect
 import threading
 import traceback
@@ -14,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from keyexpiry import limits, retries, threads, tracing
-from keyexpiry.clock import monotonic_s
+from keyexpiry.clock import iso_ms, monotonic_s
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
-from keyexpiry.ledger.rows import Occurrence, Outcome, TaskStatus
+from keyexpiry.ledger.rows import MalformedRows, Occurrence, Outcome, TaskStatus
 from keyexpiry.results import encode_result
 from keyexpiry.runner.coroutines import CoroutineRunner
 from keyexpiry.runner.gate import Gate
@@ -122,6 +121,9 @@ class Executor:
         """Where `async def` handlers run: an event loop on a thread of its own."""
         self.gate: Gate | None = None
         """Flow control: a run whose method was paused after its claim is given back."""
+        self.malformed = MalformedRows()
+        """Where a claimed row that is malformed is said (once) and counted: a listener hands
+        in its reconciler's, so a row its walk reported already is not said twice."""
 
     def spawn_worker(self) -> None:
         """One more worker (at start, and to replace one abandoned to a hung handler)."""
@@ -232,9 +234,16 @@ class Executor:
             self.rt.metrics.started(run.spec.label, late)
         if row.schedule_name is not None and not self._plan_occurrence(run, started_ms, log):
             return None
+        if row.problem is not None:
+            # Never run with what a malformed row says (which of its columns and its key its
+            # writer meant, nothing tells): said once, counted, and recorded dead.
+            self.malformed.report(
+                row.key, row.problem, "recorded dead, not run", attempt=row.attempts
+            )
+            why = f"not runnable: ledger row {row.id}: {row.problem}"
+            self.finish(run, ended(self.rt, run, TaskStatus.DEAD, why))
+            return None
         try:
-            if row.problem is not None:
-                raise ArgumentError(f"ledger row {row.id}: {row.problem}")
             args = run.spec.decode_args(row.args)
         except KeyExpiryError as exc:
             log.error("not runnable: {}", exc)
@@ -308,10 +317,10 @@ class Executor:
             log.info(
                 "schedule {}: occurrences missed since {} (at least {}); catch_up={}: {}",
                 sched.name,
-                _iso(sched.occurrence_ms),
+                iso_ms(sched.occurrence_ms),
                 plan.missed,
                 sched.catch_up,
-                f"this run stands for {_iso(plan.scheduled_for_ms)}" if plan.run else "skipped",
+                f"this run stands for {iso_ms(plan.scheduled_for_ms)}" if plan.run else "skipped",
             )
         if not plan.run:
             self.finish(run, ended(self.rt, run, TaskStatus.DONE, None))
@@ -455,7 +464,3 @@ def _discard(awaitable: Awaitable[Any]) -> None:
     close = getattr(awaitable, "close", None)
     if callable(close):
         close()
-
-
-def _iso(ms: int) -> str:
-    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).isoformat(timespec="seconds")

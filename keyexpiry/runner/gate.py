@@ -12,6 +12,7 @@ ledger (they outlive every listener and Redis) each second, and at once on a pau
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterable
@@ -24,12 +25,16 @@ from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import KeyExpiryError, StoreError
 from keyexpiry.flow import rate_interval_us
 from keyexpiry.keys import parse_key
+from keyexpiry.ledger.rows import MalformedRows
+from keyexpiry.ledger.table import PAUSE_TABLE
+from keyexpiry.log import SaidOnce
 from keyexpiry.pausing import Pause, is_paused
 from keyexpiry.redis import permits
 from keyexpiry.redis.permits import GRANTED, REASONS, Permits, Terms
 from keyexpiry.registry import TaskSpec, group_positions
 from keyexpiry.runner.inflight import ClaimedRun
 from keyexpiry.runtime import Runtime
+from keyexpiry.threads import ThreadErrors
 
 POLL_S = 0.02
 """How soon keys held back by a limit or a group are offered again when no run of their method
@@ -42,6 +47,11 @@ HELD_MAX = 200_000
 """Keys one listener holds back at most; past it, a key is left to the ledger (pending, found
 again by the overdue check once its method may start)."""
 PAUSED = "paused"
+REDIS_DOWN_WAIT_S = 0.5
+"""How soon keys held back because Redis did not answer are offered again."""
+HOLD_STALE_S = 10.0
+"""How long past its next try a held key still counts as held (`Gate.holds`): a claimer too
+busy to offer it for that long leaves it to the overdue check, like any pending task."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +70,14 @@ class _Rule:
 class Gate:
     """Flow control for one listener (`admit` before a claim, `release` when a run ends)."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, errors: ThreadErrors | None = None) -> None:
         settings = rt.settings
         self.rt = rt
+        self._errors = errors if errors is not None else ThreadErrors()
+        self._said = SaidOnce(1000)
+        self.malformed = MalformedRows()
+        """Pause rows keyexpiry would never have written, met here (each logged once): they
+        pause nothing."""
         self._permits = Permits(
             rt.redis, settings.key_prefix, ttl_ms=int(settings.takeover_after_s * 1000)
         )
@@ -106,7 +121,7 @@ class Gate:
             except redis.RedisError as exc:
                 # No permit without Redis: held, and tried again when it answers.
                 self._say_redis(exc)
-                self._hold(task, [(k, REASONS[permits.LIMIT]) for k in keys], 0.5)
+                self._hold(task, [(k, REASONS[permits.LIMIT]) for k in keys], REDIS_DOWN_WAIT_S)
                 continue
             if rule.holds_slots:
                 with self._lock:
@@ -151,7 +166,7 @@ class Gate:
         with self._lock:
             waiting = bool(self._held.get(rule.task))
             if waiting:
-                self._retry_at[rule.task] = 0.0
+                self._retry_at[rule.task] = monotonic_s()  # now, as `holds` reads it
         if waiting:
             self.wake()
 
@@ -206,10 +221,19 @@ class Gate:
 
     def holds(self, key: str) -> bool:
         """Whether `key` is held back here, or its method is paused (its task is not stuck)."""
+        now_s = monotonic_s()
         with self._lock:
             # Offered again and not yet decided: still held, a moment out of `_held`.
-            if key in self._offered or any(key in held for held in self._held.values()):
+            if key in self._offered:
                 return True
+            for task, held in self._held.items():
+                if key in held:
+                    # Only while its next try is as near as its rules allow: a hold that went
+                    # wrong must not hide a task from the overdue check for ever.
+                    retry_at_s = self._retry_at.get(task, 0.0)
+                    if now_s - HOLD_STALE_S <= retry_at_s <= now_s + self._longest_wait_s(task):
+                        return True
+                    break
         if not self._pauses:
             return False
         try:
@@ -254,7 +278,8 @@ class Gate:
     def read_pauses(self) -> None:
         """Read pauses now, in the caller's thread (a listener starting: before its first
         claim). A ledger out of reach leaves none in force until the flow thread reads them."""
-        self._read_pauses(monotonic_s())
+        now_s = monotonic_s()
+        self._guarded("reading the pauses", functools.partial(self._read_pauses, now_s))
 
     def interrupt(self) -> None:
         """End the flow thread's wait now (its listener stops: `loop`'s `stop` is set)."""
@@ -275,23 +300,42 @@ class Gate:
             if stop.is_set():
                 break  # woken by `interrupt`: the listener is stopping
             now_s = monotonic_s()
+            # Each step guarded on its own: pauses that cannot be read must not stop the
+            # permits' refresh (lapsed, they let a limit's runs overlap).
             if self._reread.is_set() or now_s - self._pauses_read_s >= PAUSE_CHECK_S:
                 self._reread.clear()
-                self._read_pauses(now_s)
+                self._guarded("reading the pauses", functools.partial(self._read_pauses, now_s))
             if now_s - last_beat_s >= beat_s:
                 last_beat_s = now_s
-                self._beat()
+                self._guarded("refreshing permits", self._beat)
         try:  # stopped: nothing of ours is held back any more
             permits.publish_held(self.rt.redis, self.rt.settings.key_prefix, self.rt.owner, 0, {})
         except redis.RedisError:
             pass  # stale after takeover_after_s anyway
 
+    def _guarded(self, step: str, run: Callable[[], None]) -> None:
+        """Run one step of the flow thread; an unexpected error is counted (the thread's
+        errors: repeated, the listener is not ready) and logged once, and the thread goes on."""
+        try:
+            run()
+        except Exception as exc:
+            self._errors.add("flow")
+            if self._said.first((step, type(exc).__name__, str(exc)[:200])):
+                logger.opt(exception=True).error(
+                    "flow control: unexpected error {} ({}); said once, it goes on", step, exc
+                )
+            else:
+                logger.debug("flow control: unexpected error {} again: {!r}", step, exc)
+
     def _read_pauses(self, now_s: float) -> None:
         try:
-            pauses = tuple(self.rt.store.pauses(self.rt.clock.now_ms()))
+            read = self.rt.store.read_pauses(self.rt.clock.now_ms())
         except (StoreError, redis.RedisError) as exc:  # the clock is Redis's
             logger.debug("pauses not read (the last ones stay in force): {}", exc)
             return
+        for bad in read.malformed:
+            self.malformed.report(f"{PAUSE_TABLE} {bad.target}", bad.problem, "no pause: skipped")
+        pauses = tuple(read.pauses)
         self._pauses_read_s = now_s
         if pauses != self._pauses:
             before = {p.target for p in self._pauses}
@@ -337,6 +381,13 @@ class Gate:
             self._rules[spec.label] = rule
         return rule
 
+    def _longest_wait_s(self, task: str) -> float:
+        """The longest a key of `task` may wait for its next try: a rate's spacing of starts,
+        or the wait after Redis did not answer."""
+        rule = self._rules.get(task)
+        interval_s = rule.terms.interval_us / 1e6 if rule is not None else 0.0
+        return max(REDIS_DOWN_WAIT_S, POLL_S, RATE_MIN_WAIT_S, interval_s)
+
     def _candidate(self, rule: _Rule, token: str, key: str) -> tuple[str, str]:
         group = ""
         if rule.positions:
@@ -365,7 +416,9 @@ class Gate:
                     total += 1
                     self.held_back_total[(task, reason)] += 1
                 held[key] = reason
-            self._retry_at[task] = monotonic_s() + wait_s
+            # Bounded whatever the wait said (it is read from Redis): a key never waits past
+            # its method's next possible start.
+            self._retry_at[task] = monotonic_s() + min(wait_s, self._longest_wait_s(task))
 
     def _give_back(self, task: str, members: list[str]) -> None:
         with self._lock:

@@ -61,6 +61,13 @@ class DispatchStats:
     not_claimed: int = 0
     already_queued: int = 0
     """Submissions dropped because the key was still waiting for its claim."""
+    intake_full: int = 0
+    """Submissions dropped because the intake was full (a flood of events): the due tasks
+    among them are found in the ledger instead."""
+    no_row: int = 0
+    """Task keys heard with no ledger row (forged, or rows deleted): ignored."""
+    found_due: int = 0
+    """Due tasks found in the ledger while events were dropped or held up, claimed first."""
     leases_extended: int = 0
     claims_lost: int = 0
     claims_settled: int = 0

@@ -154,12 +154,19 @@ class Dashboard:
         filled with `form` (what was submitted, to correct)."""
         client = self.client
         store, now_ms = client.store, client.clock.now_ms()
+        from keyexpiry.recurring import live_classes, unregistered, unregistered_note
+
         try:
-            schedules, schedules_error = client.schedules(), None
-        except (KeyExpiryError, ValueError) as exc:
-            # A schedule row keyexpiry would not have written (edited by hand): the rest of the
-            # overview still shows, and this section says what is wrong.
-            schedules, schedules_error = [], str(exc)
+            # A malformed schedule row (edited by hand) is left out and said in this section.
+            schedules, schedule_problems = store.schedules_and_problems()
+            schedules_error = None
+            classes = live_classes(client.rt)
+        except KeyExpiryError as exc:
+            schedules, schedule_problems, schedules_error, classes = [], [], str(exc), None
+        flagged = unregistered(schedules, classes)
+        schedule_notes = {
+            s.name: unregistered_note(s, classes) for s in schedules if s.name in flagged
+        }
         counts = store.active_counts()
         step_ms = _CHART_BUCKET_S * 1000
         edges = [now_ms - 1000] + [now_ms + i * step_ms for i in range(_CHART_BUCKETS + 1)]
@@ -184,6 +191,8 @@ class Dashboard:
             form=form,
             schedules=schedules,
             schedules_error=schedules_error,
+            schedule_problems=schedule_problems,
+            schedule_notes=schedule_notes,
             counts={s: counts.get(s, 0) for s in ("pending", "running", "dead")},
             overdue=overdue,
             next_hour=below[-1] - below[1],
@@ -390,7 +399,8 @@ def create_app(
     With `token` (at least 16 characters, else ConfigError), every request needs
     `Authorization: Bearer TOKEN` (or Basic, password TOKEN), and `Host` must be one of
     `settings.web_allowed_hosts` when that is set; without one only loopback clients using a
-    loopback `Host` (or one listed) are served. Mounted, call the returned app's `close()`
+    loopback `Host` (or one listed) are served, and a wildcard listed is a ConfigError (it would
+    match a DNS-rebinding page's name). Mounted, call the returned app's `close()`
     from your app's shutdown: a mounted app's lifespan is not run, and the `Client` it opened
     would keep its connections.
     """

@@ -120,6 +120,15 @@ class HostCheck:
     def __init__(self, allowed: Iterable[str], *, token_set: bool) -> None:
         self.allowed = tuple(h.lower().strip("[]") for h in allowed)
         self.token_set = token_set
+        wildcards = [h for h in self.allowed if h.startswith("*")]
+        if wildcards and not token_set:
+            # A wildcard matches names the attacker controls (`*` any, `*.nip.io` every
+            # address): a rebound page would be served, and only the token would stop it.
+            raise ConfigError(
+                f"KEYEXPIRY_WEB_ALLOWED_HOSTS lists the wildcard {wildcards[0]!r}, which "
+                "without KEYEXPIRY_WEB_TOKEN would let a DNS-rebinding page in: set a token, "
+                "or list the host names themselves"
+            )
 
     def accepts(self, name: str | None, bound: str | None) -> bool:
         """Whether a request whose Host is `name` (see `host_name`) is served; `bound` is the
