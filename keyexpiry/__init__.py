@@ -23,10 +23,10 @@ if TYPE_CHECKING:
         TaskNotFoundError,
         UnknownTaskError,
     )
+    from keyexpiry.flow.pauses import Pause
+    from keyexpiry.ledger.if_exists import Did, IfExists, Scheduled
     from keyexpiry.ledger.rows import TaskRow, TaskStatus
-    from keyexpiry.ledger.scheduling import Did, IfExists, Scheduled
     from keyexpiry.listener.listener import Listener
-    from keyexpiry.pausing import Pause
     from keyexpiry.registry import Registry, default_registry, exposed, signature, task
     from keyexpiry.settings import Settings
 
@@ -36,20 +36,20 @@ _EXPORTS = {
     "ArgumentError": "keyexpiry.errors",
     "Client": "keyexpiry.client",
     "ConfigError": "keyexpiry.errors",
-    "Did": "keyexpiry.ledger.scheduling",
+    "Did": "keyexpiry.ledger.if_exists",
     "DoNotRetry": "keyexpiry.errors",
     "EmbeddedServerError": "keyexpiry.errors",
-    "IfExists": "keyexpiry.ledger.scheduling",
+    "IfExists": "keyexpiry.ledger.if_exists",
     "KeyExpiryError": "keyexpiry.errors",
     "KeyFormatError": "keyexpiry.errors",
     "Listener": "keyexpiry.listener.listener",
     "NotPendingError": "keyexpiry.errors",
-    "Pause": "keyexpiry.pausing",
+    "Pause": "keyexpiry.flow.pauses",
     "RedisConfigError": "keyexpiry.errors",
     "RedisUnavailableError": "keyexpiry.errors",
     "Registry": "keyexpiry.registry",
     "Retry": "keyexpiry.errors",
-    "Scheduled": "keyexpiry.ledger.scheduling",
+    "Scheduled": "keyexpiry.ledger.if_exists",
     "Settings": "keyexpiry.settings",
     "StoreError": "keyexpiry.errors",
     "TaskContext": "keyexpiry.context",

@@ -431,7 +431,7 @@ def pause(
 ) -> None:
     """Hold back a task class, or one method, on every listener (until --until, for --for, or
     until `resume`); its tasks wait, pending, and run once the pause ends."""
-    from keyexpiry.pausing import parse_duration
+    from keyexpiry.flow.pauses import parse_duration
     from keyexpiry.printable import printable
 
     if until is not None and for_ is not None:
@@ -453,7 +453,7 @@ def resume(
 ) -> None:
     """End the pause of a task class or method (exit 0 either way; says whether it was
     paused). Resuming a class leaves the pauses of its methods."""
-    from keyexpiry.pausing import parse_target
+    from keyexpiry.flow.pauses import parse_target
 
     name = parse_target(target)
     with _plain_client(_settings(ctx)) as client:
@@ -526,7 +526,7 @@ def list_schedules(
     """The recurring schedules: name, state (active, paused, ended), task, when it runs, next
     run and last run."""
     from keyexpiry.printable import printable
-    from keyexpiry.recurring import live_classes, unregistered, unregistered_note
+    from keyexpiry.schedules.operate import live_classes, unregistered, unregistered_note
 
     with _plain_client(_settings(ctx)) as client:
         rows, problems = client.store.schedules_and_problems()
@@ -614,7 +614,7 @@ def schedule_resume(ctx: typer.Context, name: str = typer.Argument(..., metavar=
 
 def _catching_up(s: ScheduleRow, now_ms: int) -> str:
     """What a resumed schedule whose occurrence is due does now, by its catch_up."""
-    from keyexpiry.schedules import plan_run
+    from keyexpiry.schedules.rules import plan_run
 
     assert s.occurrence_ms is not None
     rec = s.recurrence

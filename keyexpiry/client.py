@@ -13,7 +13,7 @@ import redis
 from loguru import logger
 from sqlalchemy import Connection
 
-from keyexpiry import limits, recurring
+from keyexpiry import limits
 from keyexpiry.errors import (
     ArgumentError,
     KeyExpiryError,
@@ -22,19 +22,20 @@ from keyexpiry.errors import (
     StoreError,
     UnknownTaskError,
 )
+from keyexpiry.flow.pauses import Pause, announce, check_reason, parse_target
 from keyexpiry.keys import braces_unescaped, clip, format_key, shorten
+from keyexpiry.ledger.if_exists import Did, IfExists, Rule, Scheduled
 from keyexpiry.ledger.pauses import PausesRead
 from keyexpiry.ledger.recurring import ScheduleRow
 from keyexpiry.ledger.rows import MalformedRows, task_status
-from keyexpiry.ledger.scheduling import Did, IfExists, Rule, Scheduled
 from keyexpiry.ledger.store import NewTask, Store, TaskRow, TaskStatus
 from keyexpiry.ledger.transactions import Tx, after_commit, check_same_database, connection_of
-from keyexpiry.pausing import Pause, announce, check_reason, parse_target
 from keyexpiry.payloads import encode_payload
 from keyexpiry.redis.permits import held_counts
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
-from keyexpiry.schedules import CATCH_UP_MAX, cadence
+from keyexpiry.schedules import operate
+from keyexpiry.schedules.rules import CATCH_UP_MAX, cadence
 from keyexpiry.settings import Settings
 from keyexpiry.tags import check_tag
 from keyexpiry.tracing import current_traceparent
@@ -71,7 +72,7 @@ class TaskRequest:
     retry_schedule_s: Sequence[float] | None = None
     tag: str | None = None
     if_exists: Rule = "replace"
-    """What to do when the task's key has a row already (`keyexpiry.ledger.scheduling`)."""
+    """What to do when the task's key has a row already (`keyexpiry.ledger.if_exists`)."""
     payload: Any = None
     """A JSON-serialisable value that travels with the task in its row (see `Client.create`)."""
 
@@ -152,7 +153,7 @@ class Client:
         """Schedule `target(*args)` after `ttl_s` seconds, `ttl_ms` ms, or at datetime `at`.
 
         A task is its key: one row, one key. When the key has a row already, `if_exists` says
-        what happens (`keyexpiry.ledger.scheduling`): "replace" (the default) reschedules it
+        what happens (`keyexpiry.ledger.if_exists`): "replace" (the default) reschedules it
         whatever its state, so exactly one run happens at or after the new due time; "keep" leaves a
         pending task's due time as it is; "earlier" / "later" move it only that way. A task that
         is not pending is scheduled anew under every rule; a run already claimed for the old due
@@ -489,7 +490,7 @@ class Client:
             cron=cron, every_s=every_s, tz=tz, start=start, end=end, catch_up=catch_up,
             catch_up_max=catch_up_max, overlap=overlap,
         )  # fmt: skip
-        return recurring.declare(
+        return operate.declare(
             self.rt, name, self.spec(target), args, cad, retry_schedule_s=retry_schedule_s
         ).schedule
 

@@ -20,10 +20,10 @@ from typing import Any, TypeVar, overload
 
 from keyexpiry import limits
 from keyexpiry.errors import ArgumentError, ConfigError, UnknownTaskError
-from keyexpiry.flow import Rate, parse_concurrency, parse_group, parse_rate
+from keyexpiry.flow.rules import Rate, parse_concurrency, parse_group, parse_rate
 from keyexpiry.keys import check_name, clip, shorten
 from keyexpiry.payloads import PAYLOAD_PARAMETER
-from keyexpiry.schedules import Cadence, cadence
+from keyexpiry.schedules.rules import Cadence, cadence
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])

@@ -11,7 +11,7 @@ import pytest
 from keyexpiry.bench import flow
 from keyexpiry.bench.flow import Run, Variant
 from keyexpiry.bench.run import SCENARIOS, format_table
-from keyexpiry.flow import parse_rate
+from keyexpiry.flow.rules import parse_rate
 
 
 def test_the_most_starts_in_any_second_counts_a_half_open_window() -> None:

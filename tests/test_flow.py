@@ -17,9 +17,9 @@ from sqlalchemy import text
 from keyexpiry import Client, ConfigError, Settings, exposed
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.clock import monotonic_s
-from keyexpiry.flow import Rate, parse_rate, rate_interval_us
+from keyexpiry.flow.rules import Rate, parse_rate, rate_interval_us
+from keyexpiry.ledger.if_exists import IfExists
 from keyexpiry.ledger.rows import NewTask
-from keyexpiry.ledger.scheduling import IfExists
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.redis.permits import (
     GRANTED,

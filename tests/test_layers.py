@@ -25,11 +25,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 2: settings, what may run, what a run observes (flow control, pauses)
     (
         "settings", "registry", "retries", "results", "payloads", "run_metrics", "flow",
-        "pausing", "schedules",
+        "schedules.rules", "schedules",
     ),
     ("ledger",),  # 3: the SQL ledger
     ("runtime",),  # 4: settings -> connections, once
-    ("client", "aio", "scheduler", "recurring"),  # 5: business code's side
+    ("client", "aio", "schedules.operate"),  # 5: business code's side
     ("runner",),  # 6: claim, run, record
     ("ops", "web"),  # 7: what operators watch (a listener only through ops.observed)
     ("listener",),  # 8: hear, route, repair
@@ -47,9 +47,16 @@ def module_name(path: Path) -> str:
 
 
 def level_of(module: str) -> int:
-    """The layer of `keyexpiry.<first part>…`; KeyError for a module no layer names."""
+    """The layer of `keyexpiry.<a>.<b>…`: the longest of `a.b…`, …, `a` that a layer names (a
+    feature folder's modules may sit on different layers); KeyError when none does."""
     parts = module.split(".")
-    return _LEVEL["__init__" if len(parts) == 1 else parts[1]]
+    if len(parts) == 1:
+        return _LEVEL["__init__"]
+    for end in range(len(parts), 1, -1):
+        name = ".".join(parts[1:end])
+        if name in _LEVEL:
+            return _LEVEL[name]
+    raise KeyError(module)
 
 
 def imports(path: Path, known: set[str]) -> Iterator[tuple[int, str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import BigInteger, Column, Engine, MetaData, Table, inspect, text
 
+from keyexpiry.flow.pauses import Pause
 from keyexpiry.ledger.migrations import (
     add_missing_columns,
     add_missing_indexes,
@@ -15,8 +16,7 @@ from keyexpiry.ledger.migrations import (
 from keyexpiry.ledger.recurring import ScheduleRow
 from keyexpiry.ledger.store import NewTask, Store, make_engine
 from keyexpiry.ledger.table import keyexpiry_listener, keyexpiry_pause, metadata, time_limit_task
-from keyexpiry.pausing import Pause
-from keyexpiry.schedules import Recurrence
+from keyexpiry.schedules.rules import Recurrence
 
 # keyexpiry_listener as the first release with heartbeats created it (before partitioning).
 OLD_LISTENER_DDL = """

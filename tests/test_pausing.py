@@ -23,9 +23,7 @@ from keyexpiry.bench.servers import wait_until
 from keyexpiry.bench.servers.cluster import LocalCluster
 from keyexpiry.cli import app
 from keyexpiry.errors import ArgumentError, UnknownTaskError
-from keyexpiry.keys import wake_channel
-from keyexpiry.ledger.store import Store, make_engine
-from keyexpiry.pausing import (
+from keyexpiry.flow.pauses import (
     PAUSE_WAKE,
     Pause,
     check_reason,
@@ -34,6 +32,8 @@ from keyexpiry.pausing import (
     parse_target,
     target_matches,
 )
+from keyexpiry.keys import wake_channel
+from keyexpiry.ledger.store import Store, make_engine
 from keyexpiry.redis.arming import parse_wake
 from keyexpiry.redis.permits import held_key
 from tests import sample_tasks

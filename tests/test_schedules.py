@@ -15,13 +15,15 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from keyexpiry import Client, ConfigError, exposed, recurring, schedules
+from keyexpiry import Client, ConfigError, exposed
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.ledger.rows import Occurrence, Outcome
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.registry import Registry
-from keyexpiry.schedules import Plan, Recurrence, next_after_run, plan_run
+from keyexpiry.schedules import operate as recurring
+from keyexpiry.schedules import rules as schedules
+from keyexpiry.schedules.rules import Plan, Recurrence, next_after_run, plan_run
 from tests import schedule_tasks
 from tests.ke import Running, make_settings
 from tests.schedule_tasks import Report

@@ -16,7 +16,7 @@ from sqlalchemy import Engine, create_engine, event, text
 from keyexpiry import Client, Did, IfExists, Scheduled, Settings, TaskRequest
 from keyexpiry.clock import ManualClock
 from keyexpiry.errors import ArgumentError, StoreError
-from keyexpiry.ledger.scheduling import decide
+from keyexpiry.ledger.if_exists import decide
 from keyexpiry.ledger.store import NewTask, Outcome, Store, TaskStatus
 from tests.ke import make_settings
 

@@ -68,7 +68,7 @@ def test_a_reschedule_keeps_the_tag_unless_it_gives_another(client: Client) -> N
 
 
 def test_tags_go_with_every_reschedule_rule(client: Client) -> None:
-    """Rules other than replace decide under the row lock (keyexpiry.ledger.scheduling): the rows
+    """Rules other than replace decide under the row lock (keyexpiry.ledger.if_exists): the rows
     they insert or reset carry the tag as a replace does."""
     fresh = client.create(record, "r1", ttl_s=60, tag="cart:9", if_exists="later")
     assert fresh.outcome == "created" and client.store.get(fresh).tag == "cart:9"  # type: ignore[union-attr]

@@ -43,7 +43,7 @@ from keyexpiry.bench.harness import (
     wait_done,
 )
 from keyexpiry.bench.scenarios import _create_wave, _wait_sharing
-from keyexpiry.flow import Rate, parse_rate
+from keyexpiry.flow.rules import Rate, parse_rate
 from keyexpiry.keys import parse_key
 from keyexpiry.ledger.store import T
 

@@ -38,7 +38,7 @@ from keyexpiry.ledger.rows import (
     claimed_row_from_db,
 )
 from keyexpiry.ledger.table import S, T, not_serving, storable_text, with_earlier_errors
-from keyexpiry.schedules import next_after_run
+from keyexpiry.schedules.rules import next_after_run
 
 _X = TypeVar("_X")
 
@@ -456,7 +456,7 @@ class ClaimQueries(Ledger):
         self, conn: Connection, o: Outcome, now_ms: int, rearm: list[tuple[str, int]] | None
     ) -> int:
         """An occurrence of a schedule ended: under the schedule's lock, its row becomes the next
-        occurrence (`keyexpiry.schedules.next_after_run`), or ends when the schedule has ended
+        occurrence (`keyexpiry.schedules.rules.next_after_run`), or ends when the schedule has ended
         or is paused, and the schedule notes the run: all in the caller's transaction, and only
         while the run's claim still holds. A retry, or a schedule removed meanwhile: a plain
         outcome."""

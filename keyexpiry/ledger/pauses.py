@@ -10,11 +10,11 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from keyexpiry.errors import ArgumentError
+from keyexpiry.flow.pauses import Pause, parse_target
 from keyexpiry.keys import clip
 from keyexpiry.ledger.base import Ledger, retried_once
 from keyexpiry.ledger.rows import _as_text, _shown, stored_ms
 from keyexpiry.ledger.table import P
-from keyexpiry.pausing import Pause, parse_target
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +70,9 @@ def _is_target(text: str) -> bool:
 
 
 class PauseQueries(Ledger):
-    """Reads and writes of `keyexpiry_pause` (`keyexpiry.pausing`): one row per paused target.
+    """Reads and writes of `keyexpiry_pause` (`keyexpiry.flow.pauses`): one row per paused target.
 
-    Targets are taken as given: `keyexpiry.pausing.parse_target` checks them where they enter.
+    Targets are taken as given: `keyexpiry.flow.pauses.parse_target` checks them where they enter.
     """
 
     @retried_once

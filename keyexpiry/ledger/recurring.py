@@ -19,7 +19,7 @@ from keyexpiry.keys import shorten
 from keyexpiry.ledger.base import Ledger, retried_once
 from keyexpiry.ledger.rows import MalformedRows, TaskStatus, args_json, schedule_json
 from keyexpiry.ledger.table import S, T
-from keyexpiry.schedules import MAX_TIME_MS, MIN_TIME_MS, Cadence, Recurrence
+from keyexpiry.schedules.rules import MAX_TIME_MS, MIN_TIME_MS, Cadence, Recurrence
 
 
 @dataclass(frozen=True, slots=True)

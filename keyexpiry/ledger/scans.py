@@ -13,7 +13,7 @@ from keyexpiry.ledger.recurring import ScheduleRow, readable_schedule
 from keyexpiry.ledger.rows import BIGINT_MAX, UNREADABLE_MS, TaskRow, TaskStatus, stored_ms
 from keyexpiry.ledger.rows import row_from_db as _row
 from keyexpiry.ledger.table import S, T, with_earlier_errors
-from keyexpiry.schedules import next_after_run
+from keyexpiry.schedules.rules import next_after_run
 
 
 class PendingKey(NamedTuple):

@@ -30,6 +30,7 @@ from keyexpiry.errors import StoreError
 from keyexpiry.ledger.base import retried_once, worth_retrying
 from keyexpiry.ledger.claims import ClaimQueries
 from keyexpiry.ledger.heartbeats import HeartbeatQueries
+from keyexpiry.ledger.if_exists import Did, IfExists, ScheduleQueries
 from keyexpiry.ledger.lookups import LookupQueries
 from keyexpiry.ledger.migrations import (
     BUILD_ON_START_MAX_ROWS,
@@ -43,7 +44,6 @@ from keyexpiry.ledger.retention import RetentionQueries
 from keyexpiry.ledger.rows import NewTask, Outcome, TaskRow, TaskStatus
 from keyexpiry.ledger.rows import row_from_db as _row
 from keyexpiry.ledger.scans import ScanQueries, unknown_status
-from keyexpiry.ledger.scheduling import Did, IfExists, ScheduleQueries
 from keyexpiry.ledger.table import (
     PIPELINED_STATEMENT_BYTES,
     TABLE_NAME,

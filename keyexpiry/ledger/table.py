@@ -209,7 +209,7 @@ keyexpiry_pause = Table(
     mysql_charset="utf8mb4",
     # sql/keyexpiry_pause.sql must say the same; tests/test_ddl.py checks that it does.
 )
-"""Task classes and methods paused fleet-wide (`keyexpiry.pausing`): in the ledger, so a pause
+"""Task classes and methods paused fleet-wide (`keyexpiry.flow.pauses`): in the ledger, so a pause
 outlives every listener's restart."""
 P = keyexpiry_pause
 

@@ -18,6 +18,7 @@ from loguru import logger
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import KeyExpiryError, StoreError
+from keyexpiry.flow.pauses import PAUSE_WAKE
 from keyexpiry.keys import task_class_of
 from keyexpiry.ledger.store import Store
 from keyexpiry.listener.cluster_subscription import ClusterSubscription
@@ -29,7 +30,6 @@ from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.listener.routing import Router
 from keyexpiry.listener.subscription import Handlers, Subscription
 from keyexpiry.masking import mask_url
-from keyexpiry.pausing import PAUSE_WAKE
 from keyexpiry.redis.sentinel import MasterWatch, follows_sentinel
 from keyexpiry.registry import Registry
 from keyexpiry.runner.dispatch import Dispatcher

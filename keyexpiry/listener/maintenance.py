@@ -9,7 +9,6 @@ from collections.abc import Callable
 import redis
 from loguru import logger
 
-from keyexpiry import recurring
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import KeyExpiryError, RedisUnavailableError, StoreError
 from keyexpiry.ledger import retention
@@ -17,6 +16,7 @@ from keyexpiry.ledger.rows import TaskStatus
 from keyexpiry.listener.health import Health
 from keyexpiry.listener.reconcile import PendingWalk, Reconciler
 from keyexpiry.runtime import Runtime
+from keyexpiry.schedules import operate
 from keyexpiry.threads import Backoff, ThreadErrors
 
 _PRUNE_BATCHES = 10
@@ -255,14 +255,14 @@ class Maintenance:
         self._last_schedules_s = now_s
         if not self.schedules_declared:
             try:
-                recurring.declare_exposed(self.rt)
+                operate.declare_exposed(self.rt)
             except (StoreError, RedisUnavailableError):
                 raise  # an outage: tried again at the next check
             except KeyExpiryError as exc:
                 # A definition the ledger refuses (another schedule runs that task): said once.
                 logger.error("schedules not declared: {}", exc)
             self.schedules_declared = True
-        recurring.restore_missing(self.rt)
+        operate.restore_missing(self.rt)
 
     def _check(self) -> None:
         self._last_check_s = monotonic_s()

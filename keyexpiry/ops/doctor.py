@@ -88,7 +88,7 @@ def run_checks(rt: Runtime, *, fix: bool = False) -> list[Check]:
 def _registered_checks(rt: Runtime) -> list[Check]:
     """Schedules and pending tasks of classes no live listener registers (they wait, silently:
     a typo in a schedule's task, a class gone from the code), and malformed schedule rows."""
-    from keyexpiry.recurring import live_classes, unregistered, unregistered_note
+    from keyexpiry.schedules.operate import live_classes, unregistered, unregistered_note
 
     try:
         schedules, problems = rt.store.schedules_and_problems()

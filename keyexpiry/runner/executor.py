@@ -23,7 +23,7 @@ from keyexpiry.runner.gate import Gate
 from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.runner.transactional import run_in_transaction
 from keyexpiry.runtime import Runtime
-from keyexpiry.schedules import plan_run
+from keyexpiry.schedules.rules import plan_run
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -287,7 +287,7 @@ class Executor:
         return call, ctx
 
     def _plan_occurrence(self, run: ClaimedRun, now_ms: int, log: Logger) -> bool:
-        """Which occurrence of its schedule `run` stands for (`keyexpiry.schedules.plan_run`);
+        """Which occurrence of its schedule `run` stands for (`keyexpiry.schedules.rules.plan_run`);
         False when it is not to run (a missed occurrence under `catch_up="none"`: recorded as
         skipped, and the schedule moves on). A schedule that is gone (removed, or not this
         key's) leaves a plain run; a ledger out of reach fails this attempt (retried)."""

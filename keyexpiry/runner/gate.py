@@ -23,12 +23,12 @@ from loguru import logger
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import KeyExpiryError, StoreError
-from keyexpiry.flow import rate_interval_us
+from keyexpiry.flow.pauses import Pause, is_paused
+from keyexpiry.flow.rules import rate_interval_us
 from keyexpiry.keys import parse_key
 from keyexpiry.ledger.rows import MalformedRows
 from keyexpiry.ledger.table import PAUSE_TABLE
 from keyexpiry.log import SaidOnce
-from keyexpiry.pausing import Pause, is_paused
 from keyexpiry.redis import permits
 from keyexpiry.redis.permits import GRANTED, REASONS, Permits, Terms
 from keyexpiry.registry import TaskSpec, group_positions

@@ -25,9 +25,9 @@ from starlette.routing import Route
 
 from keyexpiry.client import Client
 from keyexpiry.errors import KeyExpiryError
+from keyexpiry.flow.pauses import parse_duration
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
 from keyexpiry.ledger.table import EARLIER_ERRORS
-from keyexpiry.pausing import parse_duration
 from keyexpiry.printable import for_html
 from keyexpiry.settings import Settings
 from keyexpiry.web.security import Csrf, Guard
@@ -154,7 +154,7 @@ class Dashboard:
         filled with `form` (what was submitted, to correct)."""
         client = self.client
         store, now_ms = client.store, client.clock.now_ms()
-        from keyexpiry.recurring import live_classes, unregistered, unregistered_note
+        from keyexpiry.schedules.operate import live_classes, unregistered, unregistered_note
 
         try:
             # A malformed schedule row (edited by hand) is left out and said in this section.

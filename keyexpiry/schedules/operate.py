@@ -17,7 +17,7 @@ from keyexpiry.keys import format_key
 from keyexpiry.ledger.recurring import Declared, ScheduleRow
 from keyexpiry.registry import TaskSpec
 from keyexpiry.runtime import Runtime
-from keyexpiry.schedules import Cadence, check_name
+from keyexpiry.schedules.rules import Cadence, check_name
 
 
 def declare(
