@@ -6,8 +6,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from keyexpiry.client import Client, TaskRequest
+    from keyexpiry.client import Client
     from keyexpiry.context import TaskContext, current
+    from keyexpiry.creates import TaskRequest
     from keyexpiry.errors import (
         ArgumentError,
         ConfigError,
@@ -54,7 +55,7 @@ _EXPORTS = {
     "StoreError": "keyexpiry.errors",
     "TaskContext": "keyexpiry.context",
     "TaskNotFoundError": "keyexpiry.errors",
-    "TaskRequest": "keyexpiry.client",
+    "TaskRequest": "keyexpiry.creates",
     "TaskRow": "keyexpiry.ledger.rows",
     "TaskStatus": "keyexpiry.ledger.rows",
     "UnknownTaskError": "keyexpiry.errors",

@@ -16,7 +16,8 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from keyexpiry.client import Client, Target
+from keyexpiry.client import Client
+from keyexpiry.creates import Target
 from keyexpiry.errors import ConfigError
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.settings import Settings

@@ -1,83 +1,54 @@
-"""`Client`: creating, cancelling and inspecting tasks, the API business code calls."""
+"""`Client`: creating, cancelling and inspecting tasks, the API business code calls.
+
+What its calls are handed (`TaskRequest`, targets, due times) is checked in `creates.py`."""
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import datetime as dt
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import redis
 from loguru import logger
 from sqlalchemy import Connection
 
 from keyexpiry import limits
+from keyexpiry.creates import (
+    Batch,
+    NotPlain,
+    PauseTarget,
+    Status,
+    Target,
+    TaskRequest,
+    due_at_ms,
+    list_limit,
+    pause_until_ms,
+    saying_what_was_recorded,
+    scheduled,
+)
 from keyexpiry.errors import (
     ArgumentError,
-    KeyExpiryError,
     KeyFormatError,
     RedisUnavailableError,
-    StoreError,
     UnknownTaskError,
 )
 from keyexpiry.flow.pauses import Pause, announce, check_reason, parse_target
-from keyexpiry.keys import braces_unescaped, clip, format_key, shorten
+from keyexpiry.keys import braces_unescaped, clip, format_key
 from keyexpiry.ledger.if_exists import Did, IfExists, Rule, Scheduled
 from keyexpiry.ledger.pauses import PausesRead
-from keyexpiry.ledger.recurring import ScheduleRow
 from keyexpiry.ledger.rows import MalformedRows, task_status
-from keyexpiry.ledger.store import NewTask, Store, TaskRow, TaskStatus
+from keyexpiry.ledger.store import Store, TaskRow, TaskStatus
 from keyexpiry.ledger.transactions import Tx, after_commit, check_same_database, connection_of
-from keyexpiry.payloads import encode_payload
 from keyexpiry.redis.permits import held_counts
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
-from keyexpiry.schedules import operate
-from keyexpiry.schedules.rules import CATCH_UP_MAX, cadence
+from keyexpiry.schedules.operate import ScheduleCalls
 from keyexpiry.settings import Settings
 from keyexpiry.tags import check_tag
-from keyexpiry.tracing import current_traceparent
-
-Status = TaskStatus | Literal["pending", "running", "done", "dead", "cancelled"]
-"""A status as callers write it: `TaskStatus.DONE` or `"done"`."""
 
 
-def list_limit(value: object, error: type[KeyExpiryError]) -> int:
-    """How many rows a list may return: a whole number from 1 to `limits.MAX_LIST_ROWS`."""
-    limits.number(value, "limit", low=1, high=limits.MAX_LIST_ROWS, error=error)
-    if not isinstance(value, int):
-        raise error(f"limit must be a whole number, got {shorten(repr(value), 80)}")
-    return value
-
-
-Target = str | Callable[..., Any]
-"""A task method: the exposed function itself (`OrderTimeout.close_unpaid`) or `"Class.method"`."""
-
-PauseTarget = str | Callable[..., Any] | type
-"""What a pause names: `"Class"` or `"Class.method"`, a registered task class (`OrderTimeout`) or
-one of its exposed methods (`OrderTimeout.close_unpaid`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TaskRequest:
-    """One task for `Client.create_many`: target, arguments and exactly one of the due fields."""
-
-    target: Target
-    args: Sequence[object] = ()
-    ttl_s: float | None = None
-    ttl_ms: int | None = None
-    at: dt.datetime | None = None
-    retry_schedule_s: Sequence[float] | None = None
-    tag: str | None = None
-    if_exists: Rule = "replace"
-    """What to do when the task's key has a row already (`keyexpiry.ledger.if_exists`)."""
-    payload: Any = None
-    """A JSON-serialisable value that travels with the task in its row (see `Client.create`)."""
-
-
-class Client:
+class Client(ScheduleCalls):
     """Business code's handle on keyexpiry: create, cancel and inspect delayed tasks.
 
     >>> ke = Client(Settings.from_env())
@@ -203,7 +174,7 @@ class Client:
         `Scheduled` per key.
         """
         now_ms = self._now_ms()
-        batch = _Batch(self, now_ms)
+        batch = Batch(self.spec, self.settings, now_ms)
         # Read whole before the transaction: however slowly the caller makes its requests, the
         # transaction is open only while they are checked.
         requests = requests if isinstance(requests, Sequence) else list(requests)
@@ -211,13 +182,13 @@ class Client:
             rest = iter(requests)
             try:
                 # Rows are sent while the requests after them are still being checked.
-                with _saying_what_was_recorded(lambda: list(batch.new)):
+                with saying_what_was_recorded(lambda: list(batch.new)):
                     tasks, done = self.store.upsert_streamed(batch.plain(rest), now_ms)
-            except _NotPlain:
+            except NotPlain:
                 batch.add_all(rest)  # rolled back: the general path below, with every request
             else:
                 self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
-                return _scheduled(tasks, done)
+                return scheduled(tasks, done)
         else:
             batch.add_all(requests)
         tasks, rules, replace = list(batch.new.values()), batch.rules, IfExists.REPLACE
@@ -228,20 +199,20 @@ class Client:
             changed = [t.key for t, d in zip(tasks, done, strict=True) if d[0] is not Did.KEPT]
             if changed:
                 after_commit(conn, self._sync_keys, created=changed)
-            return _scheduled(tasks, done)
+            return scheduled(tasks, done)
         # Row first: a row without a key is repaired by reconciliation; a key without a row
         # would never run.
         keys = [t.key for t in tasks]
         if not rules:
-            with _saying_what_was_recorded(lambda: keys):
+            with saying_what_was_recorded(lambda: keys):
                 done = self.store.upsert_pending(tasks, now_ms)
             self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
         else:
-            with _saying_what_was_recorded(lambda: keys):
+            with saying_what_was_recorded(lambda: keys):
                 done = self.store.schedule(tasks, order, now_ms)
             pairs = zip(tasks, done, strict=True)
             self._arm([(t.key, t.due_at_ms) for t, d in pairs if d[0] is not Did.KEPT], now_ms)
-        return _scheduled(tasks, done)
+        return scheduled(tasks, done)
 
     # --- cancel / inspect ---------------------------------------------------------------------
     def cancel(self, target: Target, *args: object, tx: Tx | None = None) -> bool:
@@ -412,7 +383,7 @@ class Client:
         now_ms = self._now_ms()
         until_ms = None
         if until is not None:
-            until_ms = _until_ms(until, now_ms)
+            until_ms = pause_until_ms(until, now_ms)
         elif for_s is not None:
             seconds = limits.number(
                 for_s,
@@ -463,77 +434,6 @@ class Client:
             )
         except redis.RedisError as exc:
             raise RedisUnavailableError(f"Redis: {exc}") from None
-
-    # --- recurring schedules ------------------------------------------------------------------
-    def schedule(
-        self,
-        name: str,
-        target: Target,
-        *args: object,
-        cron: str | None = None,
-        every_s: float | None = None,
-        tz: str = "UTC",
-        start: dt.datetime | None = None,
-        end: dt.datetime | None = None,
-        catch_up: str = "latest",
-        catch_up_max: int = CATCH_UP_MAX,
-        overlap: str = "skip",
-        retry_schedule_s: Sequence[float] | None = None,
-    ) -> ScheduleRow:
-        """Run `target(*args)` on a recurrence, as schedule `name` (README "Recurring
-        schedules"): `cron` (5 fields or `@daily`…, in IANA zone `tz`) or `every_s`; optional
-        `start`/`end` (aware datetimes); `catch_up` after downtime ("latest", "all" up to
-        `catch_up_max`, "none"); `overlap` when a run is still going as the next falls due
-        ("skip", "wait"). Declaring it again with the same definition changes nothing; with
-        another, its pending occurrence is replaced. Returns the schedule as stored."""
-        cad = cadence(
-            cron=cron, every_s=every_s, tz=tz, start=start, end=end, catch_up=catch_up,
-            catch_up_max=catch_up_max, overlap=overlap,
-        )  # fmt: skip
-        return operate.declare(
-            self.rt, name, self.spec(target), args, cad, retry_schedule_s=retry_schedule_s
-        ).schedule
-
-    def schedules(self) -> builtins.list[ScheduleRow]:
-        """Every schedule, by name: definition, next occurrence, last run."""
-        return self.store.list_schedules()
-
-    def get_schedule(self, name: str) -> ScheduleRow | None:
-        """Schedule `name`, or None."""
-        return self.store.get_schedule(name)
-
-    def unschedule(self, name: str) -> bool:
-        """Remove schedule `name` and cancel its pending occurrence (one running finishes);
-        False when there was none."""
-        key = self.store.remove_schedule(name, self._now_ms())
-        if key is None:
-            return False
-        with contextlib.suppress(redis.RedisError):
-            self.redis.delete(key)  # an event without a pending row claims nothing
-        return True
-
-    def pause_schedule(self, name: str) -> bool:
-        """Stop schedule `name` from running (its pending occurrence cancelled) until
-        `resume_schedule`; what it missed then follows its `catch_up`. False: no such one."""
-        found, _ = self.store.pause_schedule(name, True, self._now_ms())
-        return found
-
-    def resume_schedule(self, name: str) -> bool:
-        """Resume a paused schedule; False: no such one."""
-        found, arm = self.store.pause_schedule(name, False, self._now_ms())
-        if arm is not None:
-            self._arm([arm], self._now_ms())
-        return found
-
-    def run_schedule_now(self, name: str) -> bool:
-        """Run schedule `name`'s pending occurrence now, as an extra run (the regular one after
-        it still comes); False when it has none pending (running, paused, ended) or no such
-        schedule: `get_schedule` tells which."""
-        _, key = self.store.run_schedule_now(name, self._now_ms())
-        if key is None:
-            return False
-        self._arm([(key, self._now_ms())], self._now_ms())
-        return True
 
     def _pause_target(self, target: PauseTarget) -> str:
         """The name `target` gives a pause: checked text, or a registered class or method's."""
@@ -599,167 +499,3 @@ class Client:
                 f"task recorded in the ledger but its Redis key was not set ({exc}); "
                 "reconciliation will set it, or create it again"
             ) from None
-
-
-class _NotPlain(Exception):
-    """Raised when a bulk create written as it is read meets a request the plain upsert cannot
-    write: a rule other than "replace", or a key requested before."""
-
-
-class _Batch:
-    """The tasks of one `create_many` call, made as its requests are read: each key once, in
-    the place of its first request, as its last request says."""
-
-    def __init__(self, client: Client, now_ms: int) -> None:
-        self._client, self._now_ms = client, now_ms
-        # The caller's span, once for the batch (None without OpenTelemetry, at no cost).
-        self._traceparent = current_traceparent()
-        self.new: dict[str, NewTask] = {}
-        self.rules: dict[str, IfExists] = {}
-        """Only the keys whose (last) request is not "replace": a bulk create of the default
-        rule pays nothing per task for the rules."""
-        # A bulk create names a few task methods many times over: each is resolved once.
-        self._specs: dict[object, TaskSpec] = {}
-        self._prefix = client.settings.key_prefix
-
-    def add(self, req: TaskRequest) -> NewTask:
-        """Check `req` (ArgumentError, UnknownTaskError) and make its task."""
-        try:
-            spec = self._specs.get(req.target) or self._specs.setdefault(
-                req.target, self._client.spec(req.target)
-            )
-        except TypeError:  # a target that cannot be a dict key (an unhashable callable)
-            spec = self._client.spec(req.target)
-        encoded = spec.encode_args(req.args)
-        key = format_key(spec.class_name, spec.method, encoded, prefix=self._prefix)
-        schedule = limits.delays(req.retry_schedule_s, "retry_schedule_s", ArgumentError)
-        due = due_at_ms(self._now_ms, ttl_s=req.ttl_s, ttl_ms=req.ttl_ms, at=req.at)
-        rule = IfExists.of(req.if_exists)
-        if rule is not IfExists.REPLACE:
-            self.rules[key] = rule
-        elif self.rules:
-            self.rules.pop(key, None)
-        tag = check_tag(req.tag, ArgumentError)
-        payload = (
-            None
-            if req.payload is None
-            else encode_payload(req.payload, self._client.settings.payload_max_bytes)
-        )
-        task = self.new[key] = NewTask(
-            key, spec.class_name, spec.method, encoded, due, schedule, tag, payload,
-            self._traceparent,
-        )  # fmt: skip
-        return task
-
-    def add_all(self, requests: Iterable[TaskRequest]) -> None:
-        """`add` each of `requests`."""
-        for req in requests:
-            self.add(req)
-
-    def plain(self, requests: Iterator[TaskRequest]) -> Iterator[NewTask]:
-        """The task of each of `requests` as it is read, while each is of the rule "replace"
-        and a key not requested before; then _NotPlain (that request added, the rest unread)."""
-        for req in requests:
-            count = len(self.new)
-            task = self.add(req)
-            if self.rules or len(self.new) == count:
-                raise _NotPlain
-            yield task
-
-
-def _scheduled(tasks: Sequence[NewTask], done: Sequence[tuple[Did, int]]) -> list[Scheduled]:
-    """The keys of `tasks` with what was done to each, as `create_many` returns them."""
-    return [Scheduled(t.key, did, due) for t, (did, due) in zip(tasks, done, strict=True)]
-
-
-def due_at_ms(
-    now_ms: int,
-    *,
-    ttl_s: float | None = None,
-    ttl_ms: int | None = None,
-    at: dt.datetime | None = None,
-) -> int:
-    """The due time in epoch ms from exactly one of a TTL in s, a TTL in ms, or a datetime.
-
-    Due times reach at most `limits.MAX_HORIZON_S` (100 years) ahead; an `at` in the past is due
-    now, back to 1970-01-01 UTC.
-    """
-    if (
-        ttl_ms is None
-        and at is None
-        and type(ttl_s) in (int, float)
-        and 0 <= ttl_s <= limits.MAX_HORIZON_S  # type: ignore[operator]
-    ):
-        # The common case, checked as `limits.number` would check it (NaN fails the range).
-        return now_ms + round(ttl_s * 1000)  # type: ignore[operator]
-    given = [x for x in (ttl_s, ttl_ms, at) if x is not None]
-    if len(given) != 1:
-        raise ArgumentError("give exactly one of ttl_s, ttl_ms or at")
-    horizon_ms = now_ms + limits.MAX_HORIZON_S * 1000
-    if at is not None:
-        if not isinstance(at, dt.datetime):
-            raise ArgumentError(f"at must be a datetime, got {type(at).__name__}")
-        if at.tzinfo is None:
-            raise ArgumentError("at must be timezone-aware (e.g. datetime.now(timezone.utc))")
-        try:
-            due = round(at.timestamp() * 1000)
-        except (OverflowError, ValueError, OSError):
-            due = -1
-        if not limits.MIN_DUE_MS <= due <= horizon_ms:
-            raise ArgumentError(
-                f"at {at.isoformat()} is out of range: from 1970-01-01 UTC to "
-                f"{limits.MAX_HORIZON_S // (365 * limits.DAY_S)} years from now"
-            )
-        return due
-    if ttl_ms is not None:
-        limits.number(ttl_ms, "ttl_ms", low=0, high=horizon_ms - now_ms, error=ArgumentError)
-        if ttl_ms != int(ttl_ms):
-            raise ArgumentError(f"ttl_ms must be a whole number of milliseconds, got {ttl_ms!r}")
-        return now_ms + int(ttl_ms)
-    ttl = limits.number(ttl_s, "ttl_s", low=0, high=limits.MAX_HORIZON_S, error=ArgumentError)
-    return now_ms + round(ttl * 1000)
-
-
-def _until_ms(until: dt.datetime, now_ms: int) -> int:
-    """When a pause given `until` ends, in epoch ms: a timezone-aware datetime after `now_ms`,
-    at most `limits.MAX_HORIZON_S` ahead (ArgumentError otherwise)."""
-    if not isinstance(until, dt.datetime):
-        raise ArgumentError(f"until must be a datetime, got {type(until).__name__}")
-    if until.tzinfo is None:
-        raise ArgumentError("until must be timezone-aware (e.g. datetime.now(timezone.utc))")
-    try:
-        ms = due_at_ms(now_ms, at=until)
-    except ArgumentError:  # out of range: beyond the horizon, or before 1970 (in the past)
-        if until > dt.datetime.fromtimestamp(now_ms / 1000, dt.UTC):
-            years = limits.MAX_HORIZON_S // (365 * limits.DAY_S)
-            raise ArgumentError(
-                f"until {until.isoformat()} is more than {years} years away"
-            ) from None
-        ms = limits.MIN_DUE_MS
-    if ms <= now_ms:
-        raise ArgumentError(f"until {until.isoformat()} is not in the future")
-    return ms
-
-
-@contextlib.contextmanager
-def _saying_what_was_recorded(keys: Callable[[], Sequence[str]]) -> Iterator[None]:
-    """A create's StoreError, saying what became of its tasks: not recorded (nothing written),
-    or perhaps recorded (the ledger's answer was lost: creating them again is safe, the same
-    keys are the same rows, and a recorded one runs even without its Redis key, armed by a
-    listener's overdue check). `keys`: the tasks' keys, read when the error is raised."""
-    try:
-        yield
-    except StoreError as exc:
-        named = list(keys())
-        what = f"task {named[0]}" if len(named) == 1 else f"{len(named)} tasks"
-        if exc.maybe_applied:
-            state = (
-                "may have been recorded (the ledger's answer was lost); creating it again is "
-                "safe (same key, same row)"
-            )
-        else:
-            state = "not recorded (nothing was written); create it again once the ledger answers"
-        error = StoreError(f"{what}: {state}: {exc}")
-        error.disconnected, error.lock_timeout = exc.disconnected, exc.lock_timeout
-        error.maybe_applied = exc.maybe_applied
-        raise error from exc

@@ -16,7 +16,8 @@ from typing import Any
 import typer
 from sqlalchemy import select
 
-from keyexpiry.client import Client, TaskRequest
+from keyexpiry.client import Client
+from keyexpiry.creates import TaskRequest
 from keyexpiry.errors import ConfigError
 from keyexpiry.ledger.rows import TaskStatus
 from keyexpiry.listener.listener import Listener

@@ -1,10 +1,12 @@
 """The one place settings become connections: Redis, the ledger, the clock, the registry and the
 listener's identity, closed together.
 
-Every part (client, listener, claimer, driver, reconciliation, doctor) takes a `Runtime` instead
-of building or fetching its own connections. Its Redis side is two clients, one for commands and
-one for the subscription; a Sentinel-followed master or one connection per Cluster primary goes
-behind `redis` / `subscriber()` without the dispatch code noticing.
+Nothing builds or fetches its own connections: the client, the listener and the dispatcher take
+a `Runtime` and hand each of their parts what it uses of it (the store, the commands client, the
+clock, the settings, the registry, the owner), so a part's constructor says what it touches and a
+test builds one with only that. Its Redis side is two clients, one for commands and one for the
+subscription; a Sentinel-followed master or one connection per Cluster primary goes behind
+`redis` / `subscriber()` without the dispatch code noticing.
 """
 
 from __future__ import annotations

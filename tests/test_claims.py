@@ -11,7 +11,9 @@ from sqlalchemy import Integer, TypeDecorator, bindparam, event, select
 from sqlalchemy.dialects import sqlite
 
 from keyexpiry.ledger.base import Prepared
-from keyexpiry.ledger.claims import _MAX_LIST, _lists, _size
+from keyexpiry.ledger.batches import MAX_LIST as _MAX_LIST
+from keyexpiry.ledger.batches import list_size as _size
+from keyexpiry.ledger.batches import padded_lists as _lists
 from keyexpiry.ledger.store import NewTask, Outcome, Store, T, TaskStatus
 
 NOW = 1_700_000_000_000

@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, inspect, text
 from keyexpiry.bench.servers import MariaDBServer, PostgresServer
 from keyexpiry.ledger.recurring import ScheduleRow
 from keyexpiry.ledger.store import NewTask, Store, TaskStatus, make_engine, metadata
-from keyexpiry.schedules.rules import Recurrence
+from keyexpiry.schedules.recurrence import Recurrence
 
 DDL = Path(__file__).resolve().parents[1] / "sql" / "time_limit_task.sql"
 LISTENER_DDL = DDL.with_name("keyexpiry_listener.sql")

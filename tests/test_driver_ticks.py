@@ -10,7 +10,7 @@ import pytest
 
 from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
-from keyexpiry.clock import ManualClock
+from keyexpiry.clock import Clock, ManualClock
 from keyexpiry.keys import expired_channel
 from keyexpiry.listener import driver as driver_module
 from keyexpiry.listener.driver import TICK_MS, ExpiryDriver
@@ -28,8 +28,13 @@ def runtime(settings: Settings) -> Iterator[Runtime]:
 
 def _driver_on_manual_clock(rt: Runtime, start_ms: int) -> tuple[ExpiryDriver, ManualClock]:
     clock = ManualClock(start_ms)
-    rt.clock = clock  # type: ignore[assignment]
-    return ExpiryDriver(rt), clock
+    return _driver(rt, clock), clock
+
+
+def _driver(rt: Runtime, clock: Clock) -> ExpiryDriver:
+    return ExpiryDriver(
+        store=rt.store, redis=rt.redis, clock=clock, settings=rt.settings, owner=rt.owner
+    )
 
 
 def _record_passes(driver: ExpiryDriver) -> list[Pass]:
@@ -108,7 +113,7 @@ def test_a_lookup_expires_due_keys_and_puts_back_those_redis_still_holds(
     # The put-back window widened from 50 ms to 2 s so that a key inside it outlives any stall
     # of this test (a 30 ms key expired under load before its lookup); the rule is the same.
     monkeypatch.setattr(driver_module, "_RECHECK_MS", 2_000)
-    driver = ExpiryDriver(runtime)
+    driver = _driver(runtime, runtime.clock)
     redis = runtime.redis
     events = redis.pubsub()  # type: ignore[no-untyped-call]
     events.subscribe(expired_channel(runtime.db))

@@ -18,18 +18,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 0: the process's basics and what a key is; no settings, no connections
     (
         "errors", "keys", "limits", "tags", "tracing", "clock", "threads", "log", "printable",
-        "context",
+        "context", "arguments",
         "masking",
     ),
     ("redis",),  # 1: Redis servers and clients, arming keys (each kind parses its own URL)
     # 2: settings, what may run, what a run observes (flow control, pauses)
     (
         "settings", "registry", "retries", "results", "payloads", "run_metrics", "flow",
-        "schedules.rules", "schedules",
+        "schedules.recurrence", "schedules.rules", "schedules",
     ),
     ("ledger",),  # 3: the SQL ledger
     ("runtime",),  # 4: settings -> connections, once
-    ("client", "aio", "schedules.operate"),  # 5: business code's side
+    ("client", "creates", "aio", "schedules.operate"),  # 5: business code's side
     ("runner",),  # 6: claim, run, record
     ("ops", "web"),  # 7: what operators watch (a listener only through ops.observed)
     ("listener",),  # 8: hear, route, repair

@@ -19,7 +19,7 @@ from keyexpiry.bench.servers import wait_until
 from keyexpiry.ledger.recurring import ScheduleRow
 from keyexpiry.ops.metrics import LedgerCollector, schedule_figures
 from keyexpiry.run_metrics import RunMetrics
-from keyexpiry.schedules.rules import Recurrence
+from keyexpiry.schedules.recurrence import Recurrence
 from tests import flow_tasks
 from tests.ke import Running
 from tests.schedule_tasks import Report

@@ -16,7 +16,7 @@ from keyexpiry.ledger.migrations import (
 from keyexpiry.ledger.recurring import ScheduleRow
 from keyexpiry.ledger.store import NewTask, Store, make_engine
 from keyexpiry.ledger.table import keyexpiry_listener, keyexpiry_pause, metadata, time_limit_task
-from keyexpiry.schedules.rules import Recurrence
+from keyexpiry.schedules.recurrence import Recurrence
 
 # keyexpiry_listener as the first release with heartbeats created it (before partitioning).
 OLD_LISTENER_DDL = """

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from keyexpiry import Client, Settings
 from keyexpiry.aio import AsyncClient
 from keyexpiry.cli import app
-from keyexpiry.client import TaskRequest
+from keyexpiry.creates import TaskRequest
 from keyexpiry.errors import ArgumentError, ConfigError
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.limits import MAX_JSON_DEPTH

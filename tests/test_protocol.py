@@ -33,8 +33,9 @@ from keyexpiry import Client, Settings
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import KeyFormatError
 from keyexpiry.keys import escape_arg, format_key, parse_key, wake_channel
+from keyexpiry.ledger.engine import make_engine
 from keyexpiry.ledger.rows import NewTask, TaskRow, TaskStatus
-from keyexpiry.ledger.table import _LITERAL_COLUMNS, LiteralUpsert, make_engine, upsert_statement
+from keyexpiry.ledger.upsert import _LITERAL_COLUMNS, LiteralUpsert, upsert_statement
 from keyexpiry.redis.arming import parse_wake
 from tests import sample_tasks
 from tests.conftest import _require

@@ -81,7 +81,7 @@ def test_a_full_pass_rearms_lost_keys_due_soon_and_later(
         client.redis.delete(key)
     rt = Runtime.open(settings)
     try:
-        report = Reconciler(rt).run()
+        report = Reconciler.of(rt).run()
     finally:
         rt.close()
     assert report.checked == 1201 and report.rearmed == 3 and report.overdue == 0
@@ -144,7 +144,7 @@ def test_the_overdue_check_finds_this_listeners_rows_behind_a_peers_backlog(
     client.store.upsert_pending(peers + own, now_ms)
     rt = Runtime.open(settings)
     try:
-        reconciler = Reconciler(rt)
+        reconciler = Reconciler.of(rt)
         found = reconciler.repair_stuck(
             grace_ms=5_000, events_arriving=True, limit=1000, mine=lambda key: "@own" in key
         )

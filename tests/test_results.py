@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
 from keyexpiry.cli import app
-from keyexpiry.client import TaskRequest
+from keyexpiry.creates import TaskRequest
 from keyexpiry.errors import ConfigError
 from keyexpiry.ledger.store import Outcome, Store, TaskStatus
 from keyexpiry.limits import MAX_JSON_DEPTH

@@ -23,7 +23,8 @@ from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.registry import Registry
 from keyexpiry.schedules import operate as recurring
 from keyexpiry.schedules import rules as schedules
-from keyexpiry.schedules.rules import Plan, Recurrence, next_after_run, plan_run
+from keyexpiry.schedules.recurrence import Recurrence
+from keyexpiry.schedules.rules import Plan, next_after_run, plan_run
 from tests import schedule_tasks
 from tests.ke import Running, make_settings
 from tests.schedule_tasks import Report
@@ -587,7 +588,7 @@ def test_an_occurrence_that_dies_with_its_listener_moves_its_schedule_on(
         )
         assert claimed.schedule_name == "chores"
         wait_until(lambda: client.clock.now_ms() > now_ms, 5)
-        report = Reconciler(client.rt).requeue_expired_leases()
+        report = Reconciler.of(client.rt).requeue_expired_leases()
         assert report.dead == 1
         row = client.store.get(key)
         after = client.get_schedule("chores")

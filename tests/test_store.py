@@ -16,7 +16,7 @@ from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import StoreError
 from keyexpiry.ledger.scans import KEYS_START
 from keyexpiry.ledger.store import NewTask, Outcome, Store, TaskStatus, make_engine
-from keyexpiry.ledger.table import LiteralUpsert
+from keyexpiry.ledger.upsert import LiteralUpsert
 
 NOW = 1_700_000_000_000
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from keyexpiry import Client, Settings
 from keyexpiry.cli import app
-from keyexpiry.client import TaskRequest
+from keyexpiry.creates import TaskRequest
 from keyexpiry.errors import ArgumentError
 from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from keyexpiry import Client, Settings
-from keyexpiry.client import TaskRequest
+from keyexpiry.creates import TaskRequest
 from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 from tests.ke import Running, wait_status

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from keyexpiry import exposed
-from keyexpiry.client import due_at_ms
+from keyexpiry.creates import due_at_ms
 from keyexpiry.errors import ArgumentError, ConfigError, KeyExpiryError
 from keyexpiry.keys import format_key
 from keyexpiry.ledger.rows import args_json

@@ -100,7 +100,7 @@ async def _native(urls: tuple[str, str], n: int, driver: str) -> dict[str, Any]:
     from sqlalchemy.ext.asyncio import create_async_engine
 
     from keyexpiry.ledger.store import Store
-    from keyexpiry.ledger.table import upsert_statement
+    from keyexpiry.ledger.upsert import upsert_statement
 
     redis_url, db_url = urls
     with Client(settings_for(*urls)) as sync:  # the schema, and the task spec

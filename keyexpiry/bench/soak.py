@@ -13,6 +13,12 @@ transaction), reschedules and cancels some of them, and writes what it did to
 start and end; every 10 s each listener's RSS, descriptors, threads and connections, Redis's
 memory and the ledger's rows are written to `samples.jsonl`. `soak_verdict` reads only these
 files (and nothing from the listeners' logs) to decide every task's fate.
+
+Why one module of ~950 lines: it is one scenario's runner. `SoakConfig` and the run directory's
+files tie its parts together (the fleet, the producer, the fault rotation, the samplers, the
+report), and none is used elsewhere; reading the history back and judging it are modules of
+their own (`soak_history`, `soak_verdict`). Should a part grow or be reused, `Fleet` and
+`Producer` (with `SoakConfig` and `_Lines` beneath them) are the seams.
 """
 
 from __future__ import annotations
@@ -920,7 +926,7 @@ def run(
     cfg: SoakConfig, out_dir: Path, *, say: Callable[[str], None] = print, plots: bool = True
 ) -> dict[str, Any]:
     """Run a soak into `out_dir/<timestamp>/`; write `soak.json` (and PNGs); return the report."""
-    from keyexpiry.bench import soak_verdict
+    from keyexpiry.bench import soak_history, soak_verdict
 
     skipped = None
     if plots and importlib.util.find_spec("matplotlib") is None:
@@ -936,7 +942,7 @@ def run(
     report["machine"] = machine()
     report["commit"] = _commit()
     say("  judging the history")
-    history = soak_verdict.load(run_dir)
+    history = soak_history.load(run_dir)
     report["verdict"] = soak_verdict.verdict_of(history, report["params"])
     if plots:
         from keyexpiry.bench import soak_plots

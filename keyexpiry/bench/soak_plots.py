@@ -17,14 +17,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from keyexpiry.bench.soak_verdict import (
-    BUCKET_S,
-    Fault,
-    History,
-    lateness_points,
-    load,
-    throughput_series,
-)
+from keyexpiry.bench.soak_history import Fault, History, load
+from keyexpiry.bench.soak_verdict import BUCKET_S, lateness_points, throughput_series
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -18,13 +18,8 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError, StatementError
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from keyexpiry.errors import StoreError
-from keyexpiry.ledger.table import (
-    LiteralUpsert,
-    autocommit_engine,
-    error_code,
-    not_serving,
-    upsert_statement,
-)
+from keyexpiry.ledger.engine import autocommit_engine, error_code, not_serving
+from keyexpiry.ledger.upsert import LiteralUpsert, upsert_statement
 from keyexpiry.masking import mask_url
 
 R = TypeVar("R")

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from sqlalchemy import delete, func, insert, select, update
 
 from keyexpiry.ledger.base import Ledger, like_prefix, retried_once
+from keyexpiry.ledger.reading import row_from_db as _row
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
-from keyexpiry.ledger.rows import row_from_db as _row
 from keyexpiry.ledger.table import L, T
 
 

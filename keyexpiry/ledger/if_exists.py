@@ -27,7 +27,7 @@ from keyexpiry.errors import ArgumentError, StoreError
 from keyexpiry.ledger.base import Ledger, retried_once
 
 # The claim's list helpers: IN lists of a few fixed sizes, each compiled once.
-from keyexpiry.ledger.claims import _KEY, _lists
+from keyexpiry.ledger.batches import KEY_PARAMS, padded_lists
 from keyexpiry.ledger.rows import NewTask, TaskStatus, args_json, schedule_json
 from keyexpiry.ledger.table import T
 
@@ -202,8 +202,8 @@ class ScheduleQueries(Ledger):
         lock = conn.dialect.name != "sqlite"
         own = conn.engine is self.engine
         found: dict[str, Prior] = {}
-        for part in _lists(keys):
-            values = dict(zip(_KEY, part, strict=False))
+        for part in padded_lists(keys):
+            values = dict(zip(KEY_PARAMS, part, strict=False))
             if own:
                 # Compiled once per list size: a single create pays no statement building.
                 result = self._prepare(_prior_rows, len(part), lock).run(conn, values)
@@ -240,7 +240,7 @@ class ScheduleQueries(Ledger):
 
 def _prior_rows(size: int, lock: bool) -> Select[str, str, int]:
     q = select(T.c.task_key, T.c.status, T.c.due_at_ms).where(
-        T.c.task_key.in_([bindparam(name) for name in _KEY[:size]])
+        T.c.task_key.in_([bindparam(name) for name in KEY_PARAMS[:size]])
     )
     return q.with_for_update() if lock else q
 

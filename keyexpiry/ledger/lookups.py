@@ -6,8 +6,8 @@ from __future__ import annotations
 from sqlalchemy import literal_column, select, update
 
 from keyexpiry.ledger.base import Ledger, like_prefix, retried_once
+from keyexpiry.ledger.reading import row_from_db as _row
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
-from keyexpiry.ledger.rows import row_from_db as _row
 from keyexpiry.ledger.table import T
 
 

@@ -13,7 +13,7 @@ from keyexpiry.errors import ArgumentError
 from keyexpiry.flow.pauses import Pause, parse_target
 from keyexpiry.keys import clip
 from keyexpiry.ledger.base import Ledger, retried_once
-from keyexpiry.ledger.rows import _as_text, _shown, stored_ms
+from keyexpiry.ledger.reading import _as_text, _shown, stored_ms
 from keyexpiry.ledger.table import P
 
 

@@ -19,7 +19,8 @@ from keyexpiry.keys import shorten
 from keyexpiry.ledger.base import Ledger, retried_once
 from keyexpiry.ledger.rows import MalformedRows, TaskStatus, args_json, schedule_json
 from keyexpiry.ledger.table import S, T
-from keyexpiry.schedules.rules import MAX_TIME_MS, MIN_TIME_MS, Cadence, Recurrence
+from keyexpiry.schedules.recurrence import MAX_TIME_MS, MIN_TIME_MS, Recurrence
+from keyexpiry.schedules.rules import Cadence
 
 
 @dataclass(frozen=True, slots=True)

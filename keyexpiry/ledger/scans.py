@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 from sqlalchemy import ColumnElement, Connection, Text, and_, func, literal, or_, select, update
 
 from keyexpiry.ledger.base import Ledger, retried_once
+from keyexpiry.ledger.reading import row_from_db as _row
+from keyexpiry.ledger.reading import stored_ms
 from keyexpiry.ledger.recurring import ScheduleRow, readable_schedule
-from keyexpiry.ledger.rows import BIGINT_MAX, UNREADABLE_MS, TaskRow, TaskStatus, stored_ms
-from keyexpiry.ledger.rows import row_from_db as _row
+from keyexpiry.ledger.rows import BIGINT_MAX, UNREADABLE_MS, TaskRow, TaskStatus
 from keyexpiry.ledger.table import S, T, with_earlier_errors
 from keyexpiry.schedules.rules import next_after_run
 

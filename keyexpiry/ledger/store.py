@@ -29,6 +29,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from keyexpiry.errors import StoreError
 from keyexpiry.ledger.base import retried_once, worth_retrying
 from keyexpiry.ledger.claims import ClaimQueries
+from keyexpiry.ledger.engine import make_engine
 from keyexpiry.ledger.heartbeats import HeartbeatQueries
 from keyexpiry.ledger.if_exists import Did, IfExists, ScheduleQueries
 from keyexpiry.ledger.lookups import LookupQueries
@@ -38,23 +39,20 @@ from keyexpiry.ledger.migrations import (
     add_missing_indexes,
     drop_retired_indexes,
 )
+from keyexpiry.ledger.outcomes import OutcomeQueries
 from keyexpiry.ledger.pauses import PauseQueries
+from keyexpiry.ledger.reading import row_from_db as _row
 from keyexpiry.ledger.recurring import RecurringQueries
 from keyexpiry.ledger.retention import RetentionQueries
 from keyexpiry.ledger.rows import NewTask, Outcome, TaskRow, TaskStatus
-from keyexpiry.ledger.rows import row_from_db as _row
 from keyexpiry.ledger.scans import ScanQueries, unknown_status
-from keyexpiry.ledger.table import (
+from keyexpiry.ledger.table import TABLE_NAME, T, metadata, time_limit_task
+from keyexpiry.ledger.transactions import database_identity
+from keyexpiry.ledger.upsert import (
     PIPELINED_STATEMENT_BYTES,
-    TABLE_NAME,
-    T,
     array_upsert_params,
     array_upsert_sql,
-    make_engine,
-    metadata,
-    time_limit_task,
 )
-from keyexpiry.ledger.transactions import database_identity
 
 __all__ = [
     "TABLE_NAME",
@@ -91,6 +89,7 @@ class _Mixed(Exception):
 class Store(
     ScheduleQueries,
     ClaimQueries,
+    OutcomeQueries,
     ScanQueries,
     LookupQueries,
     HeartbeatQueries,
@@ -101,7 +100,8 @@ class Store(
     """Queries on `time_limit_task`; every method raises StoreError, never a driver exception.
 
     Business code's queries (create, cancel, read) and the schema are here; the listener's are in
-    `ClaimQueries`, reconciliation's in `ScanQueries`, the pauses' in `PauseQueries`.
+    `ClaimQueries` and `OutcomeQueries`, reconciliation's in `ScanQueries`, the pauses' in
+    `PauseQueries`.
     """
 
     # --- schema -------------------------------------------------------------------------------

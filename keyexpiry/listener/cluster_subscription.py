@@ -62,10 +62,10 @@ class ClusterSubscription(Subscription):
 
     refresh_s = REFRESH_S
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cluster: ClusterNodes, **kwargs: Any) -> None:
+        """`Subscription`'s arguments, and the cluster's nodes (each primary subscribed)."""
         super().__init__(*args, **kwargs)
-        assert self.rt.cluster is not None
-        self.cluster: ClusterNodes = self.rt.cluster
+        self.cluster = cluster
         self._feeds: dict[str, _Feed] = {}
         self._selector = selectors.DefaultSelector()
         self.topology: Topology | None = None
@@ -99,7 +99,7 @@ class ClusterSubscription(Subscription):
         for address in topology.primaries:
             try:
                 client = self.cluster.admin(address)
-                check_notifications(client, configure=self.rt.settings.configure_redis)
+                check_notifications(client, configure=self.settings.configure_redis)
             except RedisConfigError as exc:
                 raise RedisConfigError(f"cluster node {address}: {exc}") from None
             except (redis.RedisError, OSError):
@@ -112,7 +112,7 @@ class ClusterSubscription(Subscription):
         topology = self.cluster.topology()
         first = not self.connected_once
         self._check_nodes(topology, first=first)
-        self.rt.clock.sync()
+        self.clock.sync()
         for address in topology.primaries:
             try:
                 self._subscribe(address, topology)
@@ -143,7 +143,7 @@ class ClusterSubscription(Subscription):
         """Notifications on every node, replicas included (a replica promoted later must already
         announce expiries): turned on where missing with `configure_redis`, else a primary
         without them is an error at start-up and a logged problem later."""
-        configure = self.rt.settings.configure_redis
+        configure = self.settings.configure_redis
         self._node_problems.clear()
         policies: list[str | None] = []
         for address in topology.nodes:
@@ -178,7 +178,7 @@ class ClusterSubscription(Subscription):
         pubsub: Any = client.pubsub()  # type: ignore[no-untyped-call]
         try:
             subscribe_confirmed(pubsub, [self.channel, self.evicted_channel])
-            wake = self.rt.settings.driver and topology.owner(self._wake_slot) == address
+            wake = self.settings.driver and topology.owner(self._wake_slot) == address
             if wake:
                 _ssubscribe_confirmed(pubsub, self.wake_channel)
         except BaseException:
@@ -240,7 +240,7 @@ class ClusterSubscription(Subscription):
             wake_moved = feed.wake != (topology.owner(self._wake_slot) == address)
             if address not in topology.slots:
                 self._lose(feed, "no longer serves any slot")
-            elif wake_moved and self.rt.settings.driver:
+            elif wake_moved and self.settings.driver:
                 self._lose(feed, "the wake channel's slot moved")
             else:
                 try:

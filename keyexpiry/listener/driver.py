@@ -29,15 +29,17 @@ from typing import Any, cast
 
 import redis
 from loguru import logger
+from redis import Redis
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
-from keyexpiry.clock import monotonic_s
+from keyexpiry.clock import Clock, monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.keys import driver_lock_key
+from keyexpiry.ledger.store import Store
 from keyexpiry.log import Tally
 from keyexpiry.redis.cluster import by_node
-from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
 from keyexpiry.threads import ThreadErrors, spawn
 
 # A key still alive this close to its due time is looked up again at its real expiry time;
@@ -79,10 +81,21 @@ return out
 class ExpiryDriver:
     """Looks due keys up at their due time; bounded to `driver_max_rows` upcoming entries."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
-        self.store, self.redis, self.clock = rt.store, rt.redis, rt.clock
-        self.settings, self.owner = rt.settings, rt.owner
+    def __init__(
+        self,
+        *,
+        store: Store,
+        redis: Redis,
+        clock: Clock,
+        settings: Settings,
+        owner: str,
+        on_cluster: bool = False,
+    ) -> None:
+        """`redis` is the commands client (a `RedisCluster` behind it when `on_cluster`): the
+        lock, the lookups and the ledger window read from `store`, all on `clock`'s time."""
+        self.store, self.redis, self.clock = store, redis, clock
+        self.settings, self.owner = settings, owner
+        self._on_cluster = on_cluster
         self.lookups = 0
         self.forced = 0
         self.passes = 0
@@ -110,7 +123,7 @@ class ExpiryDriver:
         self._pttls = self.redis.register_script(_LOOK_UP)
         self._node_pttls: dict[str, Script] = {}
         """`_LOOK_UP` registered on each Cluster primary's client, by node name."""
-        self._lock_key = driver_lock_key(rt.settings.key_prefix)
+        self._lock_key = driver_lock_key(settings.key_prefix)
         self._lease_checked_ms = 0
         self._reread = False
         """Set by `reread` (another thread): the next step reads the whole window again."""
@@ -306,7 +319,7 @@ class ExpiryDriver:
             self._horizon_ms = rows[-1][1] if len(rows) == room else upto
 
     def _pttl_each(self, keys: list[str]) -> list[int]:
-        if self.rt.cluster is None:
+        if not self._on_cluster:
             return list(self._pttls(keys=keys))
         # Keys of many slots: one script call per primary (keys as arguments); a slot that
         # moved meanwhile goes through the cluster pipeline, which follows it.

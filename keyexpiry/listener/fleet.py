@@ -29,13 +29,14 @@ from collections.abc import Callable
 import redis
 from loguru import logger
 
-from keyexpiry.clock import monotonic_s
+from keyexpiry.clock import RedisClock, monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.keys import task_class_of
 from keyexpiry.ledger.heartbeats import ListenerRow
+from keyexpiry.ledger.store import Store
 from keyexpiry.listener.partition import BUCKETS, Partition, bucket_of
 from keyexpiry.listener.reconcile import Reconciler
-from keyexpiry.runtime import Runtime
+from keyexpiry.registry import Registry
 from keyexpiry.settings import Settings
 
 # More overdue rows than this at a takeover are left to the periodic overdue repair (re-armed).
@@ -58,13 +59,21 @@ class Fleet:
 
     def __init__(
         self,
-        rt: Runtime,
+        *,
+        store: Store,
+        clock: RedisClock,
+        settings: Settings,
+        registry: Registry,
+        owner: str,
         reconciler: Reconciler,
         running: Callable[[], int],
         submit: Callable[[list[str]], None] | None = None,
         hearing: Callable[[], bool] | None = None,
     ) -> None:
-        self.rt = rt
+        """Heartbeats of `owner` (announcing `registry`'s classes) written to `store`, timed
+        by `clock`'s extrapolation (a beat never waits on Redis)."""
+        self.store, self.clock, self.settings = store, clock, settings
+        self.registry, self.owner = registry, owner
         self._hearing = hearing
         self._heard = True
         self.away = False
@@ -73,9 +82,7 @@ class Fleet:
         self._running = running
         self._submit = submit
         # Buckets given up are kept for two beats: peers read the change within one.
-        self.partition = Partition(
-            rt.owner, rt.registry.class_names(), hold_s=2 * rt.settings.heartbeat_s
-        )
+        self.partition = Partition(owner, registry.class_names(), hold_s=2 * settings.heartbeat_s)
         self.caught_up = 0
         """Overdue tasks of gained buckets handed to the claimer (their events had no one)."""
         self._started_ms: int | None = None
@@ -91,19 +98,19 @@ class Fleet:
 
     def beat(self) -> None:
         """Write the heartbeat, then take over any peer silent for too long."""
-        now_ms = self.rt.clock.extrapolated_ms()
+        now_ms = self.clock.extrapolated_ms()
         if self._started_ms is None:
             self._started_ms = now_ms
-        classes = self.rt.registry.class_names()
+        classes = self.registry.class_names()
         self._note_hearing()
         row = ListenerRow(
-            self.rt.owner, socket.gethostname(), os.getpid(), self._started_ms, now_ms,
+            self.owner, socket.gethostname(), os.getpid(), self._started_ms, now_ms,
             self._running(), frozenset() if self.away else classes,
         )  # fmt: skip
         self.partition.set_classes(classes)
-        self.rt.store.beat(row)
+        self.store.beat(row)
         self.beats += 1
-        settings = self.rt.settings
+        settings = self.settings
         self._share(now_ms - int(share_silence_s(settings) * 1000), now_ms)
         beat_s = monotonic_s()
         if self._steady_since_s is None or beat_s - self._last_beat_s > 2 * settings.heartbeat_s:
@@ -112,8 +119,8 @@ class Fleet:
         if beat_s - self._steady_since_s < settings.takeover_after_s:
             return
         silent_before = now_ms - int(settings.takeover_after_s * 1000)
-        for peer in self.rt.store.silent(silent_before):
-            if peer != self.rt.owner:
+        for peer in self.store.silent(silent_before):
+            if peer != self.owner:
                 self._take_over(peer, silent_before)
 
     def _note_hearing(self) -> None:
@@ -132,7 +139,7 @@ class Fleet:
         self.away = away
 
     def _share(self, live_since_ms: int, now_ms: int) -> None:
-        members = self.rt.store.live_members(live_since_ms)
+        members = self.store.live_members(live_since_ms)
         before = self.partition.peers
         gained = self.partition.update(members, monotonic_s())
         if self.partition.peers != before:
@@ -150,7 +157,7 @@ class Fleet:
         not yet silent long enough), their expired events were heard and dropped by all."""
         if self._submit is None:
             return
-        prefix = self.rt.settings.key_prefix.encode()
+        prefix = self.settings.key_prefix.encode()
 
         def gained_key(key: str) -> bool:
             raw = key.encode()
@@ -170,7 +177,7 @@ class Fleet:
         if self.partition.peers == 0:
             return False
         try:
-            self.rt.store.mark_stopping(self.rt.owner, self.rt.clock.extrapolated_ms())
+            self.store.mark_stopping(self.owner, self.clock.extrapolated_ms())
         except (StoreError, redis.RedisError, OSError) as exc:
             logger.warning("could not hand this listener's keys over before stopping: {}", exc)
             return False
@@ -179,13 +186,13 @@ class Fleet:
     def _take_over(self, peer: str, silent_before_ms: int) -> None:
         report = self._reconciler.requeue_runs_of(peer)
         # Deleted only if still silent: a paused listener that resumed meanwhile keeps its row.
-        if self.rt.store.forget(peer, silent_before_ms=silent_before_ms):
+        if self.store.forget(peer, silent_before_ms=silent_before_ms):
             self.takeovers += 1
             logger.warning(
                 "listener {} silent for over {:g} s: took over, {} running task(s) requeued, "
                 "{} dead",
                 peer,
-                self.rt.settings.takeover_after_s,
+                self.settings.takeover_after_s,
                 report.lease_expired - report.dead,
                 report.dead,
             )
@@ -204,12 +211,12 @@ class Fleet:
                 if not self.failing:
                     logger.warning("cannot write this listener's heartbeat: {}", exc)
                 self.failing = True
-            stopped.wait(self.rt.settings.heartbeat_s)
+            stopped.wait(self.settings.heartbeat_s)
         self.leave()
 
     def leave(self) -> None:
         """Remove this listener's row (a clean stop is not a death to take over)."""
         try:
-            self.rt.store.forget(self.rt.owner)
+            self.store.forget(self.owner)
         except (StoreError, redis.RedisError, OSError) as exc:
             logger.debug("could not remove this listener's heartbeat row: {}", exc)

@@ -10,13 +10,14 @@ from collections.abc import Callable
 
 import redis
 from loguru import logger
+from redis import Redis
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.keys import canary_key, sentinel_key
 from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.masking import mask_url
 from keyexpiry.redis.server import REPLICA_PROBLEM
-from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
 
 _CANARY_PATIENCE_S = 30.0
 """How long the canary's event may lag behind a stream of other expired events."""
@@ -29,15 +30,23 @@ class Health:
 
     def __init__(
         self,
-        rt: Runtime,
-        reconciler: Reconciler,
         *,
+        redis: Redis,
+        redis_url: str,
+        settings: Settings,
+        owner: str,
+        node_tags: Callable[[], list[str]],
+        on_cluster: bool = False,
+        reconciler: Reconciler,
         events: Callable[[], int],
         backlog: Callable[[], int],
         request_reconcile: Callable[[str], None],
         mine: Callable[[str], bool] | None = None,
     ) -> None:
-        self.rt = rt
+        """Canaries and sentinels set in `redis` (`redis_url` names it in logs), one per hash
+        tag of `node_tags()` (one per Cluster primary when `on_cluster`)."""
+        self.redis, self.redis_url, self.settings = redis, redis_url, settings
+        self._node_tags, self._on_cluster = node_tags, on_cluster
         self._reconciler = reconciler
         self._events = events
         self._backlog = backlog
@@ -53,7 +62,7 @@ class Health:
         self.eviction_possible = True
         """False when the server's maxmemory-policy is noeviction (read at every connect)."""
         self.canaries_seen = 0
-        self.canary = canary_key(rt.owner, rt.settings.key_prefix)
+        self.canary = canary_key(owner, settings.key_prefix)
         self._canary_seen = threading.Event()
         self._canaries_pending: dict[bytes, str] = {}
         """Canary keys sent and not heard back yet (one per cluster primary), and their tag."""
@@ -87,11 +96,11 @@ class Health:
     # --- sentinels ----------------------------------------------------------------------------
     def arm_sentinels(self, *, fresh: bool) -> None:
         """Set the sentinel keys (expiring 1..N intervals from now); `fresh` replaces them."""
-        count = self.rt.settings.sentinel_count
+        count = self.settings.sentinel_count
         if count == 0:
             return
-        interval_ms = int(self.rt.settings.sentinel_interval_s * 1000)
-        pipe = self.rt.redis.pipeline(transaction=False)
+        interval_ms = int(self.settings.sentinel_interval_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
         for i, key in self._sentinel_keys():
             pipe.set(key, b"", px=i * interval_ms, nx=not fresh)
         pipe.execute()
@@ -99,19 +108,19 @@ class Health:
     def _sentinel_keys(self) -> list[tuple[int, str]]:
         """(index, key) of every sentinel: `sentinel_count` on each cluster primary (a data
         loss on one node fires or removes its own), `sentinel_count` on a single server."""
-        prefix = self.rt.settings.key_prefix
+        prefix = self.settings.key_prefix
         return [
             (i, sentinel_key(i, prefix) + tag)
-            for tag in self.rt.node_tags()
-            for i in range(1, self.rt.settings.sentinel_count + 1)
+            for tag in self._node_tags()
+            for i in range(1, self.settings.sentinel_count + 1)
         ]
 
     def regenerate_sentinels_if_needed(self) -> None:
         """Set a fresh batch once more than half of the sentinels have fired."""
-        count = self.rt.settings.sentinel_count
+        count = self.settings.sentinel_count
         if count == 0:
             return
-        pipe = self.rt.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)
         keys = self._sentinel_keys()
         for _, key in keys:
             pipe.exists(key)
@@ -132,7 +141,7 @@ class Health:
         - sentinels: if most vanished without firing (FLUSHALL, a Redis restart while we were
           connected elsewhere), reconcile and set them again.
         """
-        settings = self.rt.settings
+        settings = self.settings
         began_s = monotonic_s()
         if now_s - self._last_lease_check_s >= settings.lease_check_s or not self.events_arriving:
             self._last_lease_check_s = now_s
@@ -197,18 +206,18 @@ class Health:
         self._canary_sent_s = now_s
         self._canary_first_sent_s = now_s
         self._canary_events = self._events()
-        client = self.rt.redis
+        client = self.redis
         # One canary per cluster primary (a hash tag puts each on its node): a node whose
         # notifications are off is noticed like a single server's.
-        tags = self.rt.node_tags()
+        tags = self._node_tags()
         canaries = {(self.canary + tag).encode(): tag for tag in tags}
-        self._canaries_pending = dict(canaries) if self.rt.cluster is not None else {}
+        self._canaries_pending = dict(canaries) if self._on_cluster else {}
         pipe = client.pipeline(transaction=False)
         for key in canaries:
             pipe.set(key, b"", px=1)
         pipe.execute()
         self._expire_canaries(client, list(canaries))
-        count = self.rt.settings.sentinel_count
+        count = self.settings.sentinel_count
         if count:
             keys = [key for _, key in self._sentinel_keys()]
             if int(client.exists(*keys)) * 2 < len(keys):
@@ -243,7 +252,7 @@ class Health:
                 "{} ({} refused a write: {}); running due tasks from the ledger until it is a "
                 "master again",
                 REPLICA_PROBLEM,
-                mask_url(self.rt.redis_url),
+                mask_url(self.redis_url),
                 exc,
             )
         else:

@@ -34,6 +34,7 @@ from keyexpiry.redis.sentinel import MasterWatch, follows_sentinel
 from keyexpiry.registry import Registry
 from keyexpiry.runner.dispatch import Dispatcher
 from keyexpiry.runtime import Runtime
+from keyexpiry.schedules import operate
 from keyexpiry.settings import Settings
 from keyexpiry.threads import ThreadErrors, spawn
 
@@ -65,11 +66,13 @@ class Listener:
         self.rt = rt = Runtime.open(settings, registry, store=store, owner=owner)
         self.settings, self.registry, self.store = settings, rt.registry, rt.store
         self.redis, self.clock, self.owner = rt.redis, rt.clock, rt.owner
+        self.run_metrics = rt.metrics
+        """What the workers observe of each run (`/metrics` serves it)."""
         self._stop = threading.Event()
         self.warmed = threading.Event()
         """Set once the ledger connections are open and the claims compiled (`_warm_up`)."""
         self.dispatcher = Dispatcher(rt)
-        self.reconciler = Reconciler(
+        self.reconciler = Reconciler.of(
             rt,
             submit=self.dispatcher.submit,
             mine=lambda key: self.fleet.partition.owns_key(key, rt.settings.key_prefix),
@@ -77,10 +80,21 @@ class Listener:
         # One account of malformed task rows: one the walk reported is not said again when a
         # claim meets it.
         self.dispatcher.executor.malformed = self.reconciler.malformed
-        self.driver = ExpiryDriver(rt)
+        self.driver = ExpiryDriver(
+            store=rt.store,
+            redis=rt.redis,
+            clock=rt.clock,
+            settings=settings,
+            owner=rt.owner,
+            on_cluster=rt.cluster is not None,
+        )
         self.fleet = Fleet(
-            rt,
-            self.reconciler,
+            store=rt.store,
+            clock=rt.clock,
+            settings=settings,
+            registry=rt.registry,
+            owner=rt.owner,
+            reconciler=self.reconciler,
             running=lambda: self.dispatcher.inflight.count,
             submit=self.dispatcher.submit,
             hearing=lambda: self.health.subscribed.is_set(),
@@ -88,8 +102,13 @@ class Listener:
         self._fleet_stop = threading.Event()
         # Looked up at call time (lambdas), so a test or a subclass may wrap these methods.
         self.health = Health(
-            rt,
-            self.reconciler,
+            redis=rt.redis,
+            redis_url=rt.redis_url,
+            settings=settings,
+            owner=rt.owner,
+            node_tags=rt.node_tags,
+            on_cluster=rt.cluster is not None,
+            reconciler=self.reconciler,
             events=lambda: self.router.events,
             backlog=self.dispatcher.backlog,
             request_reconcile=lambda reason: self.request_reconcile(reason),
@@ -100,8 +119,10 @@ class Listener:
             ),
         )
         self.router = Router(
-            rt,
             self.health,
+            key_prefix=settings.key_prefix,
+            db=rt.db,
+            registry=rt.registry,
             submit=self.dispatcher.submit,
             note_due=self.driver.note,
             request_reconcile=lambda reason: self.request_reconcile(reason),
@@ -110,26 +131,39 @@ class Listener:
         )
         self.dispatcher.claimer.find_due = self._due_keys
         self.maintenance = Maintenance(
-            rt,
             self.reconciler,
             self.health,
+            store=rt.store,
+            clock=rt.clock,
+            settings=settings,
+            declare_schedules=lambda: operate.declare_exposed(rt),
+            restore_schedules=lambda: operate.restore_missing(rt),
             self_check=lambda now_s: self._self_check(now_s),
             stop=self._stop,
             errors=self.thread_errors,
             backlog=self.dispatcher.backlog,
         )
-        kind = Subscription if rt.cluster is None else ClusterSubscription
-        self.subscription = kind(
-            rt,
-            self.health,
-            Handlers(
-                key=lambda raw: self.handle_key(raw),
-                evicted=lambda raw: self.handle_evicted(raw),
-                wake=lambda raw: self.handle_wake(raw),
-            ),
-            stop=self._stop,
-            request_reconcile=lambda reason: self.request_reconcile(reason),
-            errors=self.thread_errors,
+        handlers = Handlers(
+            key=lambda raw: self.handle_key(raw),
+            evicted=lambda raw: self.handle_evicted(raw),
+            wake=lambda raw: self.handle_wake(raw),
+        )
+        # One set of parts for either kind (a Cluster's subscription also takes its nodes).
+        parts: dict[str, Any] = {
+            "redis": rt.redis,
+            "subscriber": rt.subscriber,
+            "reset_subscriber": rt.reset_subscriber,
+            "clock": rt.clock,
+            "settings": settings,
+            "db": rt.db,
+            "stop": self._stop,
+            "request_reconcile": lambda reason: self.request_reconcile(reason),
+            "errors": self.thread_errors,
+        }
+        self.subscription: Subscription = (
+            Subscription(self.health, handlers, **parts)
+            if rt.cluster is None
+            else ClusterSubscription(self.health, handlers, cluster=rt.cluster, **parts)
         )
         self.channel = self.subscription.channel
         self.wake_channel = self.subscription.wake_channel

@@ -9,14 +9,14 @@ from collections.abc import Callable
 import redis
 from loguru import logger
 
-from keyexpiry.clock import monotonic_s
+from keyexpiry.clock import Clock, monotonic_s
 from keyexpiry.errors import KeyExpiryError, RedisUnavailableError, StoreError
 from keyexpiry.ledger import retention
 from keyexpiry.ledger.rows import TaskStatus
+from keyexpiry.ledger.store import Store
 from keyexpiry.listener.health import Health
 from keyexpiry.listener.reconcile import PendingWalk, Reconciler
-from keyexpiry.runtime import Runtime
-from keyexpiry.schedules import operate
+from keyexpiry.settings import Settings
 from keyexpiry.threads import Backoff, ThreadErrors
 
 _PRUNE_BATCHES = 10
@@ -48,16 +48,24 @@ class Maintenance:
 
     def __init__(
         self,
-        rt: Runtime,
         reconciler: Reconciler,
         health: Health,
         *,
+        store: Store,
+        clock: Clock,
+        settings: Settings,
+        declare_schedules: Callable[[], object],
+        restore_schedules: Callable[[], object],
         self_check: Callable[[float], None],
         stop: threading.Event,
         errors: ThreadErrors,
         backlog: Callable[[], int] = lambda: 0,
     ) -> None:
-        self.rt = rt
+        """The schema made and finished rows pruned in `store`; `declare_schedules()` declares
+        this listener's `@exposed(cron=…)` schedules, `restore_schedules()` puts back missing
+        occurrences (`schedules.operate`, handed in: this thread only says when)."""
+        self.store, self.clock, self.settings = store, clock, settings
+        self._declare_schedules, self._restore_schedules = declare_schedules, restore_schedules
         self._reconciler = reconciler
         self._health = health
         self._self_check = self_check
@@ -118,7 +126,7 @@ class Maintenance:
         """Create the ledger table before any thread queries it (a fresh state dir has none);
         a database that is down now is retried by the loop."""
         try:
-            self.rt.store.create_schema()
+            self.store.create_schema()
             self.schema_ready = True
         except StoreError as exc:
             logger.error("ledger not reachable at start-up ({}); retrying", exc)
@@ -131,7 +139,7 @@ class Maintenance:
         work, with the self-check every second in between. A request during the walk does its
         urgent part at once and walks once more after this walk (requests coalesce).
         """
-        settings = self.rt.settings
+        settings = self.settings
         backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
         # Its own: a start that works must not cut short the waits of a walk that fails.
         walk_backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
@@ -154,7 +162,7 @@ class Maintenance:
             try:
                 if not self.schema_ready:
                     # A database that was down at start-up: retried here until it answers.
-                    self.rt.store.create_schema()
+                    self.store.create_schema()
                     self.schema_ready = True
                 walk = self._reconciler.start(page_rows=_WALK_PAGE_ROWS)
                 self._health.regenerate_sentinels_if_needed()
@@ -229,19 +237,19 @@ class Maintenance:
     def _prune_if_due(self, now_s: float) -> None:
         """A few batches of finished rows past their retention, every `prune_every_s`: a
         backlog is worked off over minutes without holding this thread (or locks) long."""
-        settings = self.rt.settings
+        settings = self.settings
         if now_s - self._last_prune_s < settings.prune_every_s or not self.schema_ready:
             return
         self._last_prune_s = now_s
         before = retention.cutoffs(
-            self.rt.clock.now_ms(),
+            self.clock.now_ms(),
             {
                 TaskStatus.DONE: settings.retain_done_s,
                 TaskStatus.CANCELLED: settings.retain_done_s,
                 TaskStatus.DEAD: settings.retain_dead_s,
             },
         )
-        report = retention.prune(self.rt.store, before, max_batches=_PRUNE_BATCHES)
+        report = retention.prune(self.store, before, max_batches=_PRUNE_BATCHES)
         self.pruned += report.total
         if report.total:
             logger.info("retention: deleted {} finished row(s)", report)
@@ -255,14 +263,14 @@ class Maintenance:
         self._last_schedules_s = now_s
         if not self.schedules_declared:
             try:
-                operate.declare_exposed(self.rt)
+                self._declare_schedules()
             except (StoreError, RedisUnavailableError):
                 raise  # an outage: tried again at the next check
             except KeyExpiryError as exc:
                 # A definition the ledger refuses (another schedule runs that task): said once.
                 logger.error("schedules not declared: {}", exc)
             self.schedules_declared = True
-        operate.restore_missing(self.rt)
+        self._restore_schedules()
 
     def _check(self) -> None:
         self._last_check_s = monotonic_s()

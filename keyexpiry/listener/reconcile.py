@@ -6,21 +6,26 @@ Runs at listener start-up, after every reconnect, on each sentinel expiry, and o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from loguru import logger
+from redis import Redis
 
 from keyexpiry import retries
-from keyexpiry.clock import iso_ms
+from keyexpiry.clock import Clock, iso_ms
 from keyexpiry.errors import UnknownTaskError
 from keyexpiry.keys import excerpt, task_class_of
 from keyexpiry.ledger.rows import MalformedRows, TaskRow, TaskStatus
 from keyexpiry.ledger.scans import KEYS_START, PendingKey
+from keyexpiry.ledger.store import Store
 from keyexpiry.limits import MAX_HORIZON_S, MIN_DUE_MS
 from keyexpiry.log import SaidOnce
+from keyexpiry.redis.arming import arm_keys
+from keyexpiry.registry import Registry
 from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
 
 PAGE_ROWS = 1000
 DUE_FIRST_MS = 300_000
@@ -69,14 +74,19 @@ class Reconciler:
 
     def __init__(
         self,
-        rt: Runtime,
         *,
+        store: Store,
+        redis: Redis,
+        clock: Clock,
+        settings: Settings,
+        registry: Registry | None,
         submit: Callable[[list[str]], None] | None = None,
         mine: Callable[[str], bool] | None = None,
     ) -> None:
-        self.rt = rt
-        self.store, self.redis, self.clock = rt.store, rt.redis, rt.clock
-        self.settings, self.registry = rt.settings, rt.registry
+        """Reads rows from `store` and keys from `redis` (and arms them there), on `clock`'s
+        time; `registry` (None: every class counts as known) resolves a row's retry options."""
+        self.store, self.redis, self.clock = store, redis, clock
+        self.settings, self.registry = settings, registry
         self.submit = submit
         self.mine = mine
         self.rearmed_total = 0
@@ -89,6 +99,29 @@ class Reconciler:
         """Overdue rows repaired again at the due time they were already reported for (for
         metrics): rows no listener runs, re-armed every lease check, reported once each."""
         self._reported = SaidOnce()
+
+    @classmethod
+    def of(
+        cls,
+        rt: Runtime,
+        *,
+        submit: Callable[[list[str]], None] | None = None,
+        mine: Callable[[str], bool] | None = None,
+    ) -> Reconciler:
+        """A reconciler on the runtime's ledger, Redis, clock, settings and registry (what
+        `keyexpiry reconcile` and a listener both repair with)."""
+        return cls(
+            store=rt.store,
+            redis=rt.redis,
+            clock=rt.clock,
+            settings=rt.settings,
+            registry=rt.registry,
+            submit=submit,
+            mine=mine,
+        )
+
+    def _arm(self, items: Sequence[tuple[str, int]], now_ms: int) -> None:
+        arm_keys(self.redis, items, now_ms, self.settings)
 
     def run(
         self, *, dry_run: bool = False, progress: Callable[[int, int], None] | None = None
@@ -167,7 +200,7 @@ class Reconciler:
             self.requeued_total += len(keys)
             action = "running them from the ledger (expired events are not arriving)"
         else:
-            self.rt.arm(rows, now_ms)
+            self._arm(rows, now_ms)
             self.rearmed_total += len(rows)
             action = f"re-armed; {self._overdue_cause(fresh or keys)}"
         if not fresh:
@@ -285,13 +318,13 @@ class Reconciler:
                 log.warning("{}; running it again", error)
                 requeued.append(row.key)
         if next_occurrences:
-            self.rt.arm(next_occurrences, now_ms)  # a dead occurrence's schedule moved on
+            self._arm(next_occurrences, now_ms)  # a dead occurrence's schedule moved on
         if requeued:
             self.requeued_total += len(requeued)
             if self.submit is not None:
                 self.submit(requeued)
             else:
-                self.rt.arm([(k, now_ms) for k in requeued], now_ms)
+                self._arm([(k, now_ms) for k in requeued], now_ms)
 
     def _repair_page(self, page: list[PendingKey], report: ReconcileReport, dry_run: bool) -> None:
         now_ms = self.clock.now_ms()
@@ -320,7 +353,7 @@ class Reconciler:
         report.rearmed += len(to_arm)
         if dry_run or not to_arm:
             return
-        self.rt.arm([(r.key, r.due_at_ms) for r in to_arm], now_ms)
+        self._arm([(r.key, r.due_at_ms) for r in to_arm], now_ms)
         self.rearmed_total += len(to_arm)
         for row in to_arm:
             logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")

@@ -31,7 +31,7 @@ from keyexpiry.keys import (
 from keyexpiry.listener.health import Health
 from keyexpiry.log import SaidOnce
 from keyexpiry.redis.arming import WAKE_MAX_BYTES, parse_wake
-from keyexpiry.runtime import Runtime
+from keyexpiry.registry import Registry
 
 SENTINEL_LINE_EVERY_S = 60.0
 """At most one INFO line a minute for sentinel expiries (each is counted: `Router.sentinels`)."""
@@ -171,9 +171,11 @@ class Router:
 
     def __init__(
         self,
-        rt: Runtime,
         health: Health,
         *,
+        key_prefix: str,
+        db: int,
+        registry: Registry,
         submit: Callable[[Iterable[str]], None],
         note_due: Callable[[Iterable[tuple[str, int]]], None],
         request_reconcile: Callable[[str], None],
@@ -186,8 +188,9 @@ class Router:
         self._submit = submit
         self._note_due = note_due
         self._request_reconcile = request_reconcile
-        self.shapes = KeyShapes.of(rt.settings.key_prefix, health.canary, rt.registry.has_class)
-        self._wake_channel = wake_channel(rt.db, rt.settings.key_prefix)
+        # Keys read under `key_prefix`, classes known by `registry`, wakes on `db`'s channel.
+        self.shapes = KeyShapes.of(key_prefix, health.canary, registry.has_class)
+        self._wake_channel = wake_channel(db, key_prefix)
         self._eviction_warned = False
         self.events = 0
         """Expired events heard, of any key."""

@@ -12,8 +12,9 @@ from typing import Any
 
 import redis
 from loguru import logger
+from redis import Redis
 
-from keyexpiry.clock import monotonic_s
+from keyexpiry.clock import RedisClock, monotonic_s
 from keyexpiry.errors import RedisConfigError
 from keyexpiry.keys import evicted_channel, expired_channel, wake_channel
 from keyexpiry.listener.health import Health
@@ -26,7 +27,7 @@ from keyexpiry.redis.server import (
     eviction_warning,
     subscribe_confirmed,
 )
-from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
 from keyexpiry.threads import Backoff, ThreadErrors
 
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -64,24 +65,32 @@ class Subscription:
 
     def __init__(
         self,
-        rt: Runtime,
         health: Health,
         handlers: Handlers,
         *,
+        redis: Redis,
+        subscriber: Callable[[], Redis],
+        reset_subscriber: Callable[[], None],
+        clock: RedisClock,
+        settings: Settings,
+        db: int,
         stop: threading.Event,
         request_reconcile: Callable[[str], None],
         errors: ThreadErrors,
     ) -> None:
-        self.rt = rt
+        """Checks made with the commands client `redis`; the pub/sub connection made on
+        `subscriber()` (`reset_subscriber()` drops it, so the next is a fresh one); `clock`
+        synced at every connect; channels of database `db`."""
+        self.redis, self.clock, self.settings = redis, clock, settings
+        self._subscriber, self._reset_subscriber = subscriber, reset_subscriber
         self._health = health
         self._handlers = handlers
         self._stop = stop
         self._request_reconcile = request_reconcile
         self._errors = errors
-        db = rt.db
         self.channel = expired_channel(db)
         self.evicted_channel = evicted_channel(db)
-        self.wake_channel = wake_channel(db, rt.settings.key_prefix)
+        self.wake_channel = wake_channel(db, settings.key_prefix)
         self._evicted_bytes = self.evicted_channel.encode()
         self._wake_bytes = self.wake_channel.encode()
         self._pubsub: Any = None
@@ -90,7 +99,7 @@ class Subscription:
         self._gap = threading.Event()
         self._retry_now = threading.Event()
         self._switched = False
-        self._sentinel = follows_sentinel(rt.redis)
+        self._sentinel = follows_sentinel(redis)
         self.node: Address | None = None
         """The server this subscription is on (host, port), None while not subscribed."""
         self.connected_once = False
@@ -99,7 +108,7 @@ class Subscription:
     def serve(self) -> None:
         """Connect and read until `stop`; never returns on an outage, only on stop (or on a
         configuration error at the very first connect, which retrying cannot fix)."""
-        settings = self.rt.settings
+        settings = self.settings
         backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
         health = self._health
         while not self._stop.is_set():
@@ -177,13 +186,13 @@ class Subscription:
         before the listener writes anything: RedisConfigError here stops it. Redis out of reach
         passes: `serve` retries that, and `connect` checks again."""
         try:
-            check_notifications(self.rt.redis, configure=self.rt.settings.configure_redis)
+            check_notifications(self.redis, configure=self.settings.configure_redis)
         except (redis.RedisError, OSError):
             pass
 
     def connect(self) -> None:
         """Check the server, subscribe (confirmed), arm sentinels, ask for a reconciliation."""
-        client, settings, health = self.rt.redis, self.rt.settings, self._health
+        client, settings, health = self.redis, self.settings, self._health
         warning = check_notifications(client, configure=settings.configure_redis)
         if warning:
             logger.warning(warning)
@@ -194,9 +203,9 @@ class Subscription:
             logger.warning(eviction)
         if self._sentinel:
             # Never reuse a connection made before: a PubSub re-dials the node it had.
-            self.rt.reset_subscriber()
-        self.rt.clock.sync()
-        pubsub: Any = self.rt.subscriber().pubsub()  # type: ignore[no-untyped-call]
+            self._reset_subscriber()
+        self.clock.sync()
+        pubsub: Any = self._subscriber().pubsub()  # type: ignore[no-untyped-call]
         self._pubsub = pubsub
         channels = [self.channel, self.evicted_channel]
         if settings.driver:
@@ -229,7 +238,7 @@ class Subscription:
     def _prepare_replicas(self) -> None:
         """A failover promotes a replica: it must announce expired keys before it is one."""
         try:
-            findings = prepare_replicas(self.rt.redis, configure=self.rt.settings.configure_redis)
+            findings = prepare_replicas(self.redis, configure=self.settings.configure_redis)
         except CONNECTION_ERRORS as exc:
             logger.warning("cannot ask the sentinels for the replicas: {}", exc)
             return

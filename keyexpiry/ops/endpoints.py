@@ -104,8 +104,9 @@ class Endpoints:
                 wait_s=self.limits.ledger_wait_s,
             )
         )
-        # The run metrics live on the runtime (the workers observe them there).
-        run_metrics = listener.rt.metrics
+        # The workers observe these as runs start and end; declared here so each task's series
+        # is served at 0 before its first run.
+        run_metrics = listener.run_metrics
         run_metrics.declare(spec.label for spec in listener.registry.specs())
         run_metrics.enabled = True
         self.registry.register(run_metrics)

@@ -10,8 +10,8 @@ from typing import Protocol
 from keyexpiry.clock import RedisClock
 from keyexpiry.ledger.store import Store
 from keyexpiry.registry import Registry
+from keyexpiry.run_metrics import RunMetrics
 from keyexpiry.runner.dispatch import Dispatcher
-from keyexpiry.runtime import Runtime
 from keyexpiry.settings import Settings
 from keyexpiry.threads import ThreadErrors
 
@@ -68,7 +68,7 @@ class ObservedListener(Protocol):
     """A listener as `/metrics`, `/healthz` and `/readyz` see it."""
 
     @property
-    def rt(self) -> Runtime: ...
+    def run_metrics(self) -> RunMetrics: ...
     @property
     def settings(self) -> Settings: ...
     @property

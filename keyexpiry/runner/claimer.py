@@ -10,18 +10,21 @@ from dataclasses import dataclass
 
 import redis
 from loguru import logger
+from redis import Redis
 
 from keyexpiry import retries, tracing
-from keyexpiry.clock import monotonic_s
+from keyexpiry.clock import Clock, monotonic_s
 from keyexpiry.errors import KeyExpiryError, StoreError, UnknownTaskError
 from keyexpiry.keys import excerpt, parse_key
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
+from keyexpiry.ledger.store import Store
 from keyexpiry.log import SaidOnce, Tally
-from keyexpiry.registry import TaskSpec
+from keyexpiry.redis.arming import arm_keys
+from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runner.gate import Gate
 from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.runner.intake import INTAKE_MAX_KEYS, Intake
-from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
 from keyexpiry.threads import Backoff, ThreadErrors
 
 _WARNED_UNKNOWN_MAX = 1000
@@ -54,14 +57,23 @@ class Claimer:
 
     def __init__(
         self,
-        rt: Runtime,
+        *,
+        store: Store,
+        redis: Redis,
+        clock: Clock,
+        settings: Settings,
+        registry: Registry,
+        owner: str,
         inflight: InFlight,
         stats: DispatchStats,
         errors: ThreadErrors,
         gate: Gate,
     ) -> None:
-        self.rt = rt
-        batch = rt.settings.claim_batch
+        """Claims in `store` under tokens of `owner`; keys resolved by `registry`; a pending
+        task whose key is gone re-armed in `redis`."""
+        self.store, self.redis, self.clock = store, redis, clock
+        self.settings, self.registry, self.owner = settings, registry, owner
+        batch = settings.claim_batch
         self.intake = Intake(stats, batch * 4, max(INTAKE_MAX_KEYS, batch * 16))
         self._due_page = max(DUE_PAGE_KEYS, batch * 4)
         self.find_due: Callable[[int], list[str]] | None = None
@@ -93,7 +105,7 @@ class Claimer:
         token before anything else, as soon as the ledger answers: the rows it took run now,
         not a lease later.
         """
-        backoff = Backoff(self.rt.settings.reconnect_initial_s, self.rt.settings.reconnect_max_s)
+        backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
         inflight = self._inflight
         while not self.stop.is_set():
             unsettled, self._unsettled = self._unsettled, None
@@ -110,15 +122,13 @@ class Claimer:
                     self.claiming = True
                     while inflight.count >= inflight.claim_limit() and not self.stop.is_set():
                         inflight.cond.wait(0.1)
-                    room = min(
-                        inflight.claim_limit() - inflight.count, self.rt.settings.claim_batch
-                    )
+                    room = min(inflight.claim_limit() - inflight.count, self.settings.claim_batch)
                 if self.stop.is_set():
                     self.claiming = False
                     break
                 batch = gate.take_ready(room)
                 batch += self.intake.take(room - len(batch))
-                token = f"{self.rt.owner}:{next(self._seq)}"
+                token = f"{self.owner}:{next(self._seq)}"
                 times = None
             self.claiming = True
             try:
@@ -235,8 +245,8 @@ class Claimer:
             specs = self.gate.admit(specs, token)
         if not specs:
             return
-        settings = self.rt.settings
-        now_ms = self.rt.clock.now_ms() if times is None else times[0]
+        settings = self.settings
+        now_ms = self.clock.now_ms() if times is None else times[0]
         timeout_s = max(retries.timeout_s(s.options, settings) for s in specs.values())
         lease_until_ms = (
             now_ms + int((timeout_s + settings.lease_grace_s) * 1000) if times is None else times[1]
@@ -244,7 +254,7 @@ class Claimer:
         locked: set[str] = set()
         try:
             with tracing.span("keyexpiry.claim", **{"keyexpiry.keys": len(specs)}):
-                rows = self.rt.store.claim(
+                rows = self.store.claim(
                     list(specs), now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
                 )
         except StoreError as exc:
@@ -309,7 +319,7 @@ class Claimer:
         locked: set[str] = set()
         for i, key in enumerate(keys):
             try:
-                claimed = self.rt.store.claim(
+                claimed = self.store.claim(
                     [key], now_ms=now_ms, lease_until_ms=lease_until_ms, token=token
                 )
                 rows.update((r.id, r) for r in claimed)
@@ -325,8 +335,8 @@ class Claimer:
 
     def _spec_for_key(self, key: str) -> TaskSpec | None:
         try:
-            parsed = parse_key(key, prefix=self.rt.settings.key_prefix)
-            return self.rt.registry.resolve(parsed.class_name, parsed.method)
+            parsed = parse_key(key, prefix=self.settings.key_prefix)
+            return self.registry.resolve(parsed.class_name, parsed.method)
         except UnknownTaskError as exc:
             self._stats.ignored += 1
             self._note_unknown(key, exc)
@@ -354,7 +364,7 @@ class Claimer:
         self._warned_unknown.add(str(exc))
         log = logger.bind(key=key, attempt=0)
         try:
-            row = self.rt.store.get(key)
+            row = self.store.get(key)
         except StoreError:
             row = None
         if row is None:
@@ -366,7 +376,7 @@ class Claimer:
 
     def _check_unclaimed(self, keys: list[str]) -> None:
         """Explain keys that were not claimed, and re-arm a pending task whose key is gone."""
-        rows = self.rt.store.get_many(keys)
+        rows = self.store.get_many(keys)
         rearm: list[TaskRow] = []
         rowless: list[str] = []
         for key in keys:
@@ -385,12 +395,17 @@ class Claimer:
         if rowless:
             self._note_rowless(rowless)
         if rearm:
-            existing = self.rt.redis.pipeline(transaction=False)
+            existing = self.redis.pipeline(transaction=False)
             for row in rearm:
                 existing.exists(row.key)
             present = existing.execute()
             missing = [r for r, p in zip(rearm, present, strict=True) if not p]
-            self.rt.arm([(r.key, r.due_at_ms) for r in missing])
+            arm_keys(
+                self.redis,
+                [(r.key, r.due_at_ms) for r in missing],
+                self.clock.now_ms(),
+                self.settings,
+            )
 
     def _note_rowless(self, keys: list[str]) -> None:
         """A registered task's key with no row: a create whose commit the ledger lost (a

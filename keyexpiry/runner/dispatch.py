@@ -46,14 +46,50 @@ class Dispatcher:
         self.inflight = InFlight(
             rt.settings.concurrency, rt.settings.claim_batch, rt.settings.async_concurrency
         )
-        self.gate = Gate(rt, self.thread_errors)
+        # Each part is handed what it uses of the runtime, here and nowhere else.
+        self.gate = Gate(
+            store=rt.store,
+            redis=rt.redis,
+            clock=rt.clock,
+            settings=rt.settings,
+            owner=rt.owner,
+            errors=self.thread_errors,
+        )
         """Flow control: pauses, fleet-wide limits, rates and groups (`runner.gate`)."""
         self.inflight.on_leave = self.gate.release
-        self.claimer = Claimer(rt, self.inflight, self.stats, self.thread_errors, self.gate)
-        self.executor = Executor(rt, self.inflight, self.stats, self.thread_errors, self._stopped)
+        self.claimer = Claimer(
+            store=rt.store,
+            redis=rt.redis,
+            clock=rt.clock,
+            settings=rt.settings,
+            registry=rt.registry,
+            owner=rt.owner,
+            inflight=self.inflight,
+            stats=self.stats,
+            errors=self.thread_errors,
+            gate=self.gate,
+        )
+        self.executor = Executor(
+            store=rt.store,
+            clock=rt.clock,
+            settings=rt.settings,
+            metrics=rt.metrics,
+            inflight=self.inflight,
+            stats=self.stats,
+            errors=self.thread_errors,
+            stopped=self._stopped,
+        )
         self.executor.gate = self.gate
-        self.watchdog = Watchdog(rt, self.executor, self.stats)
-        self.recorder = Recorder(rt, self.inflight, self.stats, self.thread_errors)
+        self.watchdog = Watchdog(self.executor, self.stats)
+        self.recorder = Recorder(
+            store=rt.store,
+            redis=rt.redis,
+            clock=rt.clock,
+            settings=rt.settings,
+            inflight=self.inflight,
+            stats=self.stats,
+            errors=self.thread_errors,
+        )
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:

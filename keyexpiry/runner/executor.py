@@ -13,17 +13,19 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from keyexpiry import limits, retries, threads, tracing
-from keyexpiry.clock import iso_ms, monotonic_s
+from keyexpiry.clock import Clock, iso_ms, monotonic_s
 from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
 from keyexpiry.ledger.rows import MalformedRows, Occurrence, Outcome, TaskStatus
+from keyexpiry.ledger.store import Store
 from keyexpiry.results import encode_result
+from keyexpiry.run_metrics import RunMetrics
 from keyexpiry.runner.coroutines import CoroutineRunner
 from keyexpiry.runner.gate import Gate
 from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.runner.transactional import run_in_transaction
-from keyexpiry.runtime import Runtime
 from keyexpiry.schedules.rules import plan_run
+from keyexpiry.settings import Settings
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -41,7 +43,7 @@ def late_ms(started_ms: int, due_at_ms: int) -> int | None:
 
 
 def ended(
-    rt: Runtime, run: ClaimedRun, status: TaskStatus, error: str | None, result: str | None = None
+    clock: Clock, run: ClaimedRun, status: TaskStatus, error: str | None, result: str | None = None
 ) -> Outcome:
     """The outcome of a run that finished for good (done or dead)."""
     return Outcome(
@@ -49,7 +51,7 @@ def ended(
         key=run.row.key,
         token=run.token,
         status=status,
-        finished_at_ms=rt.clock.now_ms(),
+        finished_at_ms=clock.now_ms(),
         due_at_ms=run.row.due_at_ms,
         last_error=error,
         result=result,
@@ -57,29 +59,31 @@ def ended(
     )
 
 
-def succeeded(rt: Runtime, run: ClaimedRun, value: object) -> Outcome:
+def succeeded(clock: Clock, settings: Settings, run: ClaimedRun, value: object) -> Outcome:
     """The outcome of a handler that returned `value`: done, the value kept as JSON.
 
     A value that cannot be kept (not JSON, or over `result_max_bytes`) still leaves the task
     done, with `last_error` saying why and no result: the handler's work is done, and running
     it again would repeat that work only to fail the same way.
     """
-    result, why = encode_result(value, rt.settings.result_max_bytes)
+    result, why = encode_result(value, settings.result_max_bytes)
     if why is not None:
         logger.bind(key=run.row.key, attempt=run.row.attempts).warning("{}", why)
-    return ended(rt, run, TaskStatus.DONE, why, result)
+    return ended(clock, run, TaskStatus.DONE, why, result)
 
 
-def failed(rt: Runtime, run: ClaimedRun, error: str, *, delay_s: float | None = None) -> Outcome:
+def failed(
+    clock: Clock, settings: Settings, run: ClaimedRun, error: str, *, delay_s: float | None = None
+) -> Outcome:
     """The outcome of a failed run: pending again after the schedule's next delay (or the
     handler's own `Retry(delay_s)` when it is in range), or dead once out of attempts."""
     row = run.row
-    schedule = retries.schedule_s(row.retry_schedule_s, run.spec.options, rt.settings)
+    schedule = retries.schedule_s(row.retry_schedule_s, run.spec.options, settings)
     retries_used = row.attempts - 1
     log = logger.bind(key=row.key, attempt=row.attempts)
     if retries_used >= len(schedule):
         log.error("out of attempts ({}); task is dead", row.attempts)
-        return ended(rt, run, TaskStatus.DEAD, error)
+        return ended(clock, run, TaskStatus.DEAD, error)
     delay = schedule[retries_used]
     if delay_s is not None:
         try:
@@ -88,7 +92,7 @@ def failed(rt: Runtime, run: ClaimedRun, error: str, *, delay_s: float | None = 
             )
         except ArgumentError as exc:
             log.warning("{}; retrying on the schedule instead ({:g} s)", exc, delay)
-    due = rt.clock.now_ms() + int(delay * 1000)
+    due = clock.now_ms() + int(delay * 1000)
     log.info("will retry in {:g} s", delay)
     return Outcome(
         row.id, row.key, run.token, TaskStatus.PENDING, None, due, error,
@@ -105,19 +109,25 @@ class Executor:
 
     def __init__(
         self,
-        rt: Runtime,
+        *,
+        store: Store,
+        clock: Clock,
+        settings: Settings,
+        metrics: RunMetrics,
         inflight: InFlight,
         stats: DispatchStats,
         errors: threads.ThreadErrors,
         stopped: threading.Event,
     ) -> None:
-        self.rt = rt
+        """Leases extended, schedules read and transactional runs recorded in `store`; each
+        run's start and end observed in `metrics`."""
+        self.store, self.clock, self.settings, self.metrics = store, clock, settings, metrics
         self.inflight = inflight
         self._stats = stats
         self.errors = errors
         self.stopped = stopped
         self.threads: list[threading.Thread] = []
-        self.coroutines = CoroutineRunner(self, rt.settings.async_concurrency)
+        self.coroutines = CoroutineRunner(self, settings.async_concurrency)
         """Where `async def` handlers run: an event loop on a thread of its own."""
         self.gate: Gate | None = None
         """Flow control: a run whose method was paused after its claim is given back."""
@@ -154,7 +164,9 @@ class Executor:
         if not self.inflight.broke(run):
             return  # failed by the watchdog, or its outcome queued before the error
         try:
-            outcome = failed(self.rt, run, f"{type(exc).__name__} around the handler: {exc}")
+            outcome = failed(
+                self.clock, self.settings, run, f"{type(exc).__name__} around the handler: {exc}"
+            )
         except Exception:
             log.error("could not record the failure; the run is retried when its lease ends")
             return
@@ -195,11 +207,12 @@ class Executor:
     ) -> bool:
         """`_execute` for a transactional handler (`keyexpiry.runner.transactional`)."""
         outcome = run_in_transaction(
-            self.rt,
+            self.store,
+            self.clock,
             run,
             self.inflight,
             lambda conn: self._call(run, call, replace(ctx, transaction=conn)),
-            lambda why: failed(self.rt, run, why),
+            lambda why: failed(self.clock, self.settings, run, why),
         )
         if outcome is None:  # rolled back, nothing to record here
             if not self.inflight.broke(run):  # out of flight already: the watchdog failed it
@@ -220,7 +233,7 @@ class Executor:
         """
         row = run.row
         log = logger.bind(key=row.key, attempt=row.attempts)
-        started_ms = self.rt.clock.now_ms()
+        started_ms = self.clock.now_ms()
         if self.gate is not None and self.gate.paused_now(run.spec):
             # Paused between its claim and its start: given back unstarted (no attempt).
             self._give_back_paused(run, started_ms, log)
@@ -231,7 +244,7 @@ class Executor:
         self.inflight.started(run)
         late = late_ms(started_ms, row.due_at_ms)
         if late is not None:
-            self.rt.metrics.started(run.spec.label, late)
+            self.metrics.started(run.spec.label, late)
         if row.schedule_name is not None and not self._plan_occurrence(run, started_ms, log):
             return None
         if row.problem is not None:
@@ -241,13 +254,13 @@ class Executor:
                 row.key, row.problem, "recorded dead, not run", attempt=row.attempts
             )
             why = f"not runnable: ledger row {row.id}: {row.problem}"
-            self.finish(run, ended(self.rt, run, TaskStatus.DEAD, why))
+            self.finish(run, ended(self.clock, run, TaskStatus.DEAD, why))
             return None
         try:
             args = run.spec.decode_args(row.args)
         except KeyExpiryError as exc:
             log.error("not runnable: {}", exc)
-            self.finish(run, ended(self.rt, run, TaskStatus.DEAD, f"not runnable: {exc}"))
+            self.finish(run, ended(self.clock, run, TaskStatus.DEAD, f"not runnable: {exc}"))
             return None
         # A due time before 1970 (written outside keyexpiry) is shown to the handler as the
         # earliest one keyexpiry writes: a time any datetime can hold.
@@ -257,7 +270,7 @@ class Executor:
             row.key,
             row.attempts,
             due_at_ms,
-            self.rt.store.engine,
+            self.store.engine,
             started_ms,
             payload=payload,
             scheduled_for_ms=None if run.occurrence is None else run.occurrence.scheduled_for_ms,
@@ -294,10 +307,12 @@ class Executor:
         row = run.row
         assert row.schedule_name is not None
         try:
-            sched = self.rt.store.get_schedule(row.schedule_name)
+            sched = self.store.get_schedule(row.schedule_name)
         except StoreError as exc:
             # Its occurrence cannot be told: this attempt fails, and is retried per schedule.
-            self.finish(run, failed(self.rt, run, f"could not read its schedule: {exc}"))
+            self.finish(
+                run, failed(self.clock, self.settings, run, f"could not read its schedule: {exc}")
+            )
             return False
         if sched is None or sched.task_key != row.key or sched.occurrence_ms is None:
             log.warning("schedule {!r} is gone: running as a plain task", row.schedule_name)
@@ -323,14 +338,14 @@ class Executor:
                 f"this run stands for {iso_ms(plan.scheduled_for_ms)}" if plan.run else "skipped",
             )
         if not plan.run:
-            self.finish(run, ended(self.rt, run, TaskStatus.DONE, None))
+            self.finish(run, ended(self.clock, run, TaskStatus.DONE, None))
             return False
         return True
 
     def _give_back_paused(self, run: ClaimedRun, now_ms: int, log: Logger) -> None:
         assert self.gate is not None
         try:
-            self.rt.store.release([run.row.id], run.token, now_ms)
+            self.store.release([run.row.id], run.token, now_ms)
         except StoreError as exc:
             log.warning("paused before it started; not given back ({}): runs after its lease", exc)
         else:
@@ -346,15 +361,15 @@ class Executor:
         """
         log = logger.bind(key=run.row.key, attempt=run.row.attempts)
         if error is None:
-            return succeeded(self.rt, run, result)
+            return succeeded(self.clock, self.settings, run, result)
         if isinstance(error, DoNotRetry):
             log.warning("failed, not retrying: {}", error)
-            return ended(self.rt, run, TaskStatus.DEAD, f"DoNotRetry: {error}")
+            return ended(self.clock, run, TaskStatus.DEAD, f"DoNotRetry: {error}")
         if isinstance(error, Retry):
-            return failed(self.rt, run, f"Retry: {error}", delay_s=error.delay_s)
+            return failed(self.clock, self.settings, run, f"Retry: {error}", delay_s=error.delay_s)
         text = "".join(traceback.format_exception(error))[-_ERROR_MAX_CHARS:]
         log.opt(exception=error).warning("handler raised {}: {}", type(error).__name__, error)
-        return failed(self.rt, run, text)
+        return failed(self.clock, self.settings, run, text)
 
     def finish(self, run: ClaimedRun, outcome: Outcome) -> bool:
         """Queue a started run's outcome; False when the watchdog already failed it (the
@@ -365,7 +380,7 @@ class Executor:
             log.warning("abandoned run returned after its timeout; its result is discarded")
             return False
         assert run.started_s is not None
-        self.rt.metrics.ended(
+        self.metrics.ended(
             run.spec.label, _OUTCOME_NAMES[outcome.status], monotonic_s() - run.started_s
         )
         if outcome.status is TaskStatus.DONE and outcome.finished_at_ms is not None:
@@ -383,13 +398,13 @@ class Executor:
         A run that waited in the queue may start with less lease left than its timeout; without
         an extension another listener could take it over mid-run and run it a second time.
         """
-        grace_ms = int(self.rt.settings.lease_grace_s * 1000)
+        grace_ms = int(self.settings.lease_grace_s * 1000)
         needed_ms = now_ms + int(run.timeout_s * 1000) + grace_ms // 2
         if run.lease_until_ms >= needed_ms:
             return True
         until_ms = now_ms + int(run.timeout_s * 1000) + grace_ms
         try:
-            kept = self.rt.store.extend_lease(run.row.id, run.token, until_ms, now_ms)
+            kept = self.store.extend_lease(run.row.id, run.token, until_ms, now_ms)
         except StoreError as exc:
             # Unknown whether the lease still holds: give the run back to reconciliation rather
             # than risk a second copy running.
@@ -409,8 +424,13 @@ class Watchdog:
     """Fails runs past their timeout: a coroutine is cancelled; a thread cannot be killed in
     Python, so a hung one is abandoned and a fresh worker takes its slot."""
 
-    def __init__(self, rt: Runtime, executor: Executor, stats: DispatchStats) -> None:
-        self.rt = rt
+    def __init__(self, executor: Executor, stats: DispatchStats) -> None:
+        # The executor's clock, settings and metrics: a timed-out run fails as one that ended.
+        self.clock, self.settings, self.metrics = (
+            executor.clock,
+            executor.settings,
+            executor.metrics,
+        )
         self._executor = executor
         self.inflight = executor.inflight
         self._stats = stats
@@ -427,7 +447,7 @@ class Watchdog:
         late, next_deadline = self.inflight.take_late(now)
         self._stats.timed_out += len(late)
         for run in late:
-            self.rt.metrics.ended(run.spec.label, "timeout", run.timeout_s)
+            self.metrics.ended(run.spec.label, "timeout", run.timeout_s)
             log = logger.bind(key=run.row.key, attempt=run.row.attempts)
             log.error(
                 "handler exceeded its timeout of {:g} s; recorded as failed ({})",
@@ -447,7 +467,10 @@ class Watchdog:
                     log.warning("could not end its transaction: {}", exc)
             try:
                 outcome = failed(
-                    self.rt, run, f"TimeoutError: handler exceeded {run.timeout_s:g} s"
+                    self.clock,
+                    self.settings,
+                    run,
+                    f"TimeoutError: handler exceeded {run.timeout_s:g} s",
                 )
             except Exception:
                 self._executor.errors.add("watchdog")

@@ -20,20 +20,22 @@ from dataclasses import dataclass
 
 import redis
 from loguru import logger
+from redis import Redis
 
-from keyexpiry.clock import monotonic_s
+from keyexpiry.clock import Clock, monotonic_s
 from keyexpiry.errors import KeyExpiryError, StoreError
 from keyexpiry.flow.pauses import Pause, is_paused
 from keyexpiry.flow.rules import rate_interval_us
 from keyexpiry.keys import parse_key
 from keyexpiry.ledger.rows import MalformedRows
+from keyexpiry.ledger.store import Store
 from keyexpiry.ledger.table import PAUSE_TABLE
 from keyexpiry.log import SaidOnce
 from keyexpiry.redis import permits
 from keyexpiry.redis.permits import GRANTED, REASONS, Permits, Terms
 from keyexpiry.registry import TaskSpec, group_positions
 from keyexpiry.runner.inflight import ClaimedRun
-from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
 from keyexpiry.threads import ThreadErrors
 
 POLL_S = 0.02
@@ -70,16 +72,26 @@ class _Rule:
 class Gate:
     """Flow control for one listener (`admit` before a claim, `release` when a run ends)."""
 
-    def __init__(self, rt: Runtime, errors: ThreadErrors | None = None) -> None:
-        settings = rt.settings
-        self.rt = rt
+    def __init__(
+        self,
+        *,
+        store: Store,
+        redis: Redis,
+        clock: Clock,
+        settings: Settings,
+        owner: str,
+        errors: ThreadErrors | None = None,
+    ) -> None:
+        """Pauses read from `store`, permits kept in `redis` under `owner` (this listener)."""
+        self.store, self.redis, self.clock = store, redis, clock
+        self.settings, self.owner = settings, owner
         self._errors = errors if errors is not None else ThreadErrors()
         self._said = SaidOnce(1000)
         self.malformed = MalformedRows()
         """Pause rows keyexpiry would never have written, met here (each logged once): they
         pause nothing."""
         self._permits = Permits(
-            rt.redis, settings.key_prefix, ttl_ms=int(settings.takeover_after_s * 1000)
+            redis, settings.key_prefix, ttl_ms=int(settings.takeover_after_s * 1000)
         )
         self._lock = threading.Lock()
         self._held: dict[str, collections.OrderedDict[str, str]] = {}
@@ -103,7 +115,7 @@ class Gate:
     def admit(self, specs: dict[str, TaskSpec], token: str) -> dict[str, TaskSpec]:
         """The keys among `specs` that may be claimed now (permits taken under `token`); the
         others are held back here."""
-        now_ms = self.rt.clock.now_ms() if self._pauses else 0  # no clock read on the hot path
+        now_ms = self.clock.now_ms() if self._pauses else 0  # no clock read on the hot path
         allowed: dict[str, TaskSpec] = {}
         shaped: dict[str, list[str]] = {}
         for key, spec in specs.items():
@@ -175,7 +187,7 @@ class Gate:
         if not self._held or room <= 0:
             return []
         now_s = monotonic_s()
-        now_ms = self.rt.clock.now_ms()
+        now_ms = self.clock.now_ms()
         ready: list[str] = []
         with self._lock:
             for task, held in self._held.items():
@@ -206,7 +218,7 @@ class Gate:
         if not self._held:
             return longest_s
         now_s = monotonic_s()
-        now_ms = self.rt.clock.now_ms()
+        now_ms = self.clock.now_ms()
         with self._lock:
             waiting = [t for t, held in self._held.items() if held]
             soonest = min(
@@ -237,10 +249,10 @@ class Gate:
         if not self._pauses:
             return False
         try:
-            parsed = parse_key(key, prefix=self.rt.settings.key_prefix)
+            parsed = parse_key(key, prefix=self.settings.key_prefix)
         except KeyExpiryError:
             return False
-        now_ms = self.rt.clock.now_ms()
+        now_ms = self.clock.now_ms()
         return is_paused(self._pauses, parsed.class_name, parsed.method, now_ms) is not None
 
     def held(self) -> dict[str, dict[str, int]]:
@@ -263,7 +275,7 @@ class Gate:
         """Whether `spec`'s method is paused (as this listener last read the pauses)."""
         if not self._pauses:
             return False
-        now_ms = self.rt.clock.now_ms()
+        now_ms = self.clock.now_ms()
         return is_paused(self._pauses, spec.class_name, spec.method, now_ms) is not None
 
     def hold_paused(self, spec: TaskSpec, key: str) -> None:
@@ -292,7 +304,7 @@ class Gate:
     def loop(self, stop: threading.Event) -> None:
         """Until `stop`: read pauses each second (or when woken), refresh this listener's
         permits and publish what it holds back every heartbeat."""
-        settings = self.rt.settings
+        settings = self.settings
         beat_s = settings.heartbeat_s
         last_beat_s = -beat_s
         while not stop.is_set():
@@ -309,7 +321,7 @@ class Gate:
                 last_beat_s = now_s
                 self._guarded("refreshing permits", self._beat)
         try:  # stopped: nothing of ours is held back any more
-            permits.publish_held(self.rt.redis, self.rt.settings.key_prefix, self.rt.owner, 0, {})
+            permits.publish_held(self.redis, self.settings.key_prefix, self.owner, 0, {})
         except redis.RedisError:
             pass  # stale after takeover_after_s anyway
 
@@ -329,7 +341,7 @@ class Gate:
 
     def _read_pauses(self, now_s: float) -> None:
         try:
-            read = self.rt.store.read_pauses(self.rt.clock.now_ms())
+            read = self.store.read_pauses(self.clock.now_ms())
         except (StoreError, redis.RedisError) as exc:  # the clock is Redis's
             logger.debug("pauses not read (the last ones stay in force): {}", exc)
             return
@@ -360,9 +372,8 @@ class Gate:
                 if gone:
                     self._permits.release(task, gone)
             permits.publish_held(
-                self.rt.redis, self.rt.settings.key_prefix, self.rt.owner,
-                self.rt.clock.now_ms(), self.held(),
-            )  # fmt: skip
+                self.redis, self.settings.key_prefix, self.owner, self.clock.now_ms(), self.held()
+            )
         except redis.RedisError as exc:
             self._say_redis(exc)
 
@@ -391,7 +402,7 @@ class Gate:
     def _candidate(self, rule: _Rule, token: str, key: str) -> tuple[str, str]:
         group = ""
         if rule.positions:
-            args = parse_key(key, prefix=self.rt.settings.key_prefix).args
+            args = parse_key(key, prefix=self.settings.key_prefix).args
             # A key short of the group's argument is no runnable task (its run ends dead when
             # its arguments are decoded): no group to wait for.
             group = "\x1f".join(args[i] for i in rule.positions if i < len(args))

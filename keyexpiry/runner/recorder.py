@@ -8,13 +8,16 @@ import time
 
 import redis
 from loguru import logger
+from redis import Redis
 
 from keyexpiry import tracing
-from keyexpiry.clock import monotonic_s
+from keyexpiry.clock import Clock, monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.ledger.rows import Outcome, TaskStatus
+from keyexpiry.ledger.store import Store
+from keyexpiry.redis.arming import arm_keys
 from keyexpiry.runner.inflight import DispatchStats, InFlight
-from keyexpiry.runtime import Runtime
+from keyexpiry.settings import Settings
 from keyexpiry.threads import Backoff, ThreadErrors
 
 
@@ -22,9 +25,18 @@ class Recorder:
     """Writes queued outcomes until stopped; `flush` writes what is left at shutdown."""
 
     def __init__(
-        self, rt: Runtime, inflight: InFlight, stats: DispatchStats, errors: ThreadErrors
+        self,
+        *,
+        store: Store,
+        redis: Redis,
+        clock: Clock,
+        settings: Settings,
+        inflight: InFlight,
+        stats: DispatchStats,
+        errors: ThreadErrors,
     ) -> None:
-        self.rt = rt
+        """Outcomes written to `store`; retries and next occurrences armed in `redis`."""
+        self.store, self.redis, self.clock, self.settings = store, redis, clock, settings
         self._inflight = inflight
         self._stats = stats
         self._errors = errors
@@ -38,7 +50,7 @@ class Recorder:
     def flush(self, deadline: float | None) -> None:
         """Write every queued outcome; on failure keep them and retry with backoff (until
         `deadline` on the monotonic clock, when given)."""
-        settings = self.rt.settings
+        settings = self.settings
         backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
         inflight = self._inflight
         while True:
@@ -48,7 +60,7 @@ class Recorder:
             try:
                 rearm: list[tuple[str, int]] = []
                 with tracing.span("keyexpiry.record", **{"keyexpiry.outcomes": len(batch)}):
-                    self.rt.store.record(batch, self.rt.clock.now_ms(), rearm)
+                    self.store.record(batch, self.clock.now_ms(), rearm)
                 self._arm_next_occurrences(rearm)
             except Exception as exc:
                 if not isinstance(exc, StoreError | redis.RedisError):
@@ -100,7 +112,7 @@ class Recorder:
         for outcome in batch:
             try:
                 rearm: list[tuple[str, int]] = []
-                self.rt.store.record([outcome], self.rt.clock.now_ms(), rearm)
+                self.store.record([outcome], self.clock.now_ms(), rearm)
                 self._arm_next_occurrences(rearm)
                 written.append(outcome)
             except (StoreError, redis.RedisError):
@@ -128,7 +140,7 @@ class Recorder:
         for i, outcome in enumerate(batch):
             try:
                 rearm: list[tuple[str, int]] = []
-                self.rt.store.record([outcome], self.rt.clock.now_ms(), rearm)
+                self.store.record([outcome], self.clock.now_ms(), rearm)
                 self._arm_next_occurrences(rearm)
             except StoreError as err:
                 if not err.lock_timeout:
@@ -141,12 +153,15 @@ class Recorder:
             written.append(outcome)
         return written, locked
 
+    def _arm(self, items: list[tuple[str, int]]) -> None:
+        arm_keys(self.redis, items, self.clock.now_ms(), self.settings)
+
     def _arm_next_occurrences(self, items: list[tuple[str, int]]) -> None:
         """Arm the keys of schedules' next occurrences (their rows committed)."""
         if not items:
             return
         try:
-            self.rt.arm(list(dict(items).items()))
+            self._arm(list(dict(items).items()))
         except redis.RedisError as exc:
             logger.warning(
                 "could not arm {} next occurrence(s): {}; reconciliation will", len(items), exc
@@ -165,7 +180,7 @@ class Recorder:
                 self._stats.retried += 1
         if retries:
             try:
-                self.rt.arm([(o.key, o.due_at_ms) for o in retries])
+                self._arm([(o.key, o.due_at_ms) for o in retries])
             except redis.RedisError as exc:
                 logger.warning(
                     "could not re-arm {} retry key(s): {}; reconciliation will", len(retries), exc

@@ -12,14 +12,16 @@ from loguru import logger
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
+from keyexpiry.clock import Clock
 from keyexpiry.errors import StoreError
 from keyexpiry.ledger.rows import Outcome, TaskStatus
+from keyexpiry.ledger.store import Store
 from keyexpiry.runner.inflight import ClaimedRun, InFlight
-from keyexpiry.runtime import Runtime
 
 
 def run_in_transaction(
-    rt: Runtime,
+    store: Store,
+    clock: Clock,
     run: ClaimedRun,
     inflight: InFlight,
     call: Callable[[Connection], Outcome],
@@ -36,13 +38,13 @@ def run_in_transaction(
     """
     log = logger.bind(key=run.row.key, attempt=run.row.attempts)
     try:
-        conn = rt.store.begin()
+        conn = store.begin()
     except StoreError as exc:
         log.error("could not begin the handler's transaction: {}; not run", exc)
         return failed(f"StoreError: could not begin the handler's transaction: {exc}")
     tx = conn.get_transaction()
     try:
-        if not inflight.attach_tx(run, _ender(rt, conn)):
+        if not inflight.attach_tx(run, _ender(store, conn)):
             _rollback(conn)
             return None  # failed by the watchdog before it began
         outcome = call(conn)
@@ -62,14 +64,14 @@ def run_in_transaction(
         if not inflight.committing(run):
             _rollback(conn)
             return None  # past its timeout: the watchdog recorded it as failed
-        if not rt.store.record_in(conn, outcome, rt.clock.now_ms()):
+        if not store.record_in(conn, outcome, clock.now_ms()):
             _rollback(conn)
             log.warning(
                 "claim lost while running (taken over, requeued or rescheduled); "
                 "its transaction is rolled back"
             )
             return None
-        rt.store.commit(conn)
+        store.commit(conn)
         return dataclasses.replace(outcome, recorded=True)
     except StoreError as exc:
         # The COMMIT's answer may be lost: if it committed, the row is done and this failure's
@@ -87,7 +89,7 @@ def run_in_transaction(
             conn.close()
 
 
-def _ender(rt: Runtime, conn: Connection) -> Callable[[], None]:
+def _ender(store: Store, conn: Connection) -> Callable[[], None]:
     """What ends `conn`'s transaction from another thread once its run is abandoned, so a hung
     handler's locks go with its timeout: on MySQL/MariaDB a KILL of its session, on PostgreSQL a
     termination of its backend (the server rolls back); elsewhere nothing can (SQLite: the
@@ -101,7 +103,7 @@ def _ender(rt: Runtime, conn: Connection) -> Callable[[], None]:
     if session is None:
         return lambda: None
     killed = session
-    return lambda: rt.store.kill_session(killed)
+    return lambda: store.kill_session(killed)
 
 
 def _rollback(conn: Connection) -> None:

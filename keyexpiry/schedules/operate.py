@@ -1,23 +1,28 @@
-"""Declaring and operating recurring schedules on a runtime: what `Client.schedule()` and its
-siblings do, and what a listener does for the `@exposed(cron=…)` methods it registers and to put
-back an occurrence row that went missing. The rules are `keyexpiry.schedules`; the rows,
-`keyexpiry.ledger.recurring`."""
+"""Declaring and operating recurring schedules on a runtime: `Client.schedule()` and its
+siblings (`ScheduleCalls`, which `Client` inherits), what a listener does for the
+`@exposed(cron=…)` methods it registers, and putting back an occurrence row that went missing.
+The rules are `keyexpiry.schedules.rules`; the rows, `keyexpiry.ledger.recurring`."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 from collections.abc import Sequence
 
 import redis
 from loguru import logger
+from redis import Redis
 
 from keyexpiry import limits
 from keyexpiry.clock import iso_ms
+from keyexpiry.creates import Target
 from keyexpiry.errors import ConfigError, RedisUnavailableError, StoreError
 from keyexpiry.keys import format_key
 from keyexpiry.ledger.recurring import Declared, ScheduleRow
+from keyexpiry.ledger.store import Store
 from keyexpiry.registry import TaskSpec
 from keyexpiry.runtime import Runtime
-from keyexpiry.schedules.rules import Cadence, check_name
+from keyexpiry.schedules.rules import CATCH_UP_MAX, Cadence, cadence, check_name
 
 
 def declare(
@@ -146,3 +151,91 @@ def unregistered_note(s: ScheduleRow, classes: frozenset[str] | None) -> str:
     """One line for a schedule `unregistered` names."""
     who = "no listener is running" if not classes else f"no live listener registers {s.class_name}"
     return f"schedule {s.name}: {who}; its runs wait until one does"
+
+
+class ScheduleCalls:
+    """`Client`'s calls on recurring schedules (README "Recurring schedules"), kept with the
+    operations they call; `Client` provides what they use."""
+
+    rt: Runtime
+    store: Store
+    redis: Redis
+
+    def spec(self, target: Target) -> TaskSpec:
+        raise NotImplementedError  # `Client.spec`
+
+    def _now_ms(self) -> int:
+        raise NotImplementedError  # `Client._now_ms`
+
+    def _arm(self, items: Sequence[tuple[str, int]], now_ms: int) -> None:
+        raise NotImplementedError  # `Client._arm`
+
+    def schedule(
+        self,
+        name: str,
+        target: Target,
+        *args: object,
+        cron: str | None = None,
+        every_s: float | None = None,
+        tz: str = "UTC",
+        start: dt.datetime | None = None,
+        end: dt.datetime | None = None,
+        catch_up: str = "latest",
+        catch_up_max: int = CATCH_UP_MAX,
+        overlap: str = "skip",
+        retry_schedule_s: Sequence[float] | None = None,
+    ) -> ScheduleRow:
+        """Run `target(*args)` on a recurrence, as schedule `name` (README "Recurring
+        schedules"): `cron` (5 fields or `@daily`…, in IANA zone `tz`) or `every_s`; optional
+        `start`/`end` (aware datetimes); `catch_up` after downtime ("latest", "all" up to
+        `catch_up_max`, "none"); `overlap` when a run is still going as the next falls due
+        ("skip", "wait"). Declaring it again with the same definition changes nothing; with
+        another, its pending occurrence is replaced. Returns the schedule as stored."""
+        cad = cadence(
+            cron=cron, every_s=every_s, tz=tz, start=start, end=end, catch_up=catch_up,
+            catch_up_max=catch_up_max, overlap=overlap,
+        )  # fmt: skip
+        return declare(
+            self.rt, name, self.spec(target), args, cad, retry_schedule_s=retry_schedule_s
+        ).schedule
+
+    def schedules(self) -> list[ScheduleRow]:
+        """Every schedule, by name: definition, next occurrence, last run."""
+        return self.store.list_schedules()
+
+    def get_schedule(self, name: str) -> ScheduleRow | None:
+        """Schedule `name`, or None."""
+        return self.store.get_schedule(name)
+
+    def unschedule(self, name: str) -> bool:
+        """Remove schedule `name` and cancel its pending occurrence (one running finishes);
+        False when there was none."""
+        key = self.store.remove_schedule(name, self._now_ms())
+        if key is None:
+            return False
+        with contextlib.suppress(redis.RedisError):
+            self.redis.delete(key)  # an event without a pending row claims nothing
+        return True
+
+    def pause_schedule(self, name: str) -> bool:
+        """Stop schedule `name` from running (its pending occurrence cancelled) until
+        `resume_schedule`; what it missed then follows its `catch_up`. False: no such one."""
+        found, _ = self.store.pause_schedule(name, True, self._now_ms())
+        return found
+
+    def resume_schedule(self, name: str) -> bool:
+        """Resume a paused schedule; False: no such one."""
+        found, arm = self.store.pause_schedule(name, False, self._now_ms())
+        if arm is not None:
+            self._arm([arm], self._now_ms())
+        return found
+
+    def run_schedule_now(self, name: str) -> bool:
+        """Run schedule `name`'s pending occurrence now, as an extra run (the regular one after
+        it still comes); False when it has none pending (running, paused, ended) or no such
+        schedule: `get_schedule` tells which."""
+        _, key = self.store.run_schedule_now(name, self._now_ms())
+        if key is None:
+            return False
+        self._arm([(key, self._now_ms())], self._now_ms())
+        return True

@@ -228,7 +228,14 @@ def test_arming_and_lookups_follow_slots_the_client_has_not_seen_move(
         due_ms = rt.clock.now_ms() + 60_000
         rt.arm([(k, due_ms) for k in moved])
         assert all(int(target.command("EXISTS", k)) == 1 for k in moved)
-        pttls = ExpiryDriver(rt)._pttl_each(moved)
+        pttls = ExpiryDriver(
+            store=rt.store,
+            redis=rt.redis,
+            clock=rt.clock,
+            settings=rt.settings,
+            owner=rt.owner,
+            on_cluster=True,
+        )._pttl_each(moved)
         assert all(50_000 < p <= 60_000 for p in pttls)
     finally:
         rt.close()

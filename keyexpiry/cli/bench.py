@@ -1,0 +1,74 @@
+"""`keyexpiry bench`: the benchmark's scenarios against real servers started for the run, and
+the soak."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from keyexpiry.cli.common import known_errors
+from keyexpiry.errors import ConfigError
+
+app = typer.Typer()
+
+
+@app.command()
+@known_errors
+def bench(
+    scenario: list[str] = typer.Option(
+        None,
+        "--scenario",
+        help="steady, sparse, burst, throughput, create, listeners (the default: all six); "
+        "ledger, aio, cluster, memory, flow, soak (only when named).",
+    ),
+    minutes: float = typer.Option(
+        10.0, "--minutes", min=0.5, help="soak: minutes of load and faults (--quick: 2)."
+    ),
+    runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
+    backend: str = typer.Option(
+        "mariadb",
+        "--backend",
+        help="mariadb, postgres or sqlite; several, comma-separated, run side by side "
+        "(e.g. mariadb,postgres).",
+    ),
+    quick: bool = typer.Option(
+        False, "--quick", help="A fifth of the sizes (ledger: 1 M rows, not 10 M)."
+    ),
+    out: Path = typer.Option(Path("bench-results/latest.json"), "--json", help="Write here."),
+    peers: bool = typer.Option(
+        True,
+        "--peers/--no-peers",
+        help="Also run steady on huey and arq (needs the `peers` extra; skipped with a note).",
+    ),
+) -> None:
+    """Benchmark against real servers started for the run (redis-server, and mariadbd or
+    PostgreSQL for those backends, from the system)."""
+    from keyexpiry.bench.run import DEFAULT_SCENARIOS, SCENARIOS, run
+
+    names = list(scenario or DEFAULT_SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    backends = backend.split(",")
+    if unknown or not set(backends) <= {"mariadb", "postgres", "sqlite"}:
+        raise ConfigError(f"unknown scenario/backend: {unknown or backend}")
+    if "soak" in names:
+        _soak(minutes, quick=quick, others=[n for n in names if n != "soak"])
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run(names, runs=runs, backend=backend, quick=quick, out=out, peers=peers)
+    typer.echo(f"figures written to {out}")
+
+
+def _soak(minutes: float, *, quick: bool, others: list[str]) -> None:
+    """`bench --scenario soak`: its own servers (Sentinel, HAProxy, MariaDB), its own report."""
+    from keyexpiry.bench import soak
+
+    if others:
+        raise ConfigError(f"soak runs alone, not with {', '.join(others)}")
+    cfg = soak.SoakConfig.quick(minutes if minutes != 10.0 else 2.0) if quick else None
+    report = soak.run(cfg or soak.SoakConfig(minutes=minutes), Path("bench-results/soak"))
+    verdict = report["verdict"]
+    typer.echo(soak.summary(report))
+    typer.echo(f"history, soak.json and plots in {report['run_dir']}")
+    if not verdict.get("passed"):
+        raise typer.Exit(1)

@@ -1,0 +1,197 @@
+"""The ledger's engine: how each database is connected and tuned (SQLite in WAL mode, MySQL/
+MariaDB and PostgreSQL in READ COMMITTED with short lock waits), and what a driver's error code
+says (`error_code`, `not_serving`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import (
+    Engine,
+    create_engine,
+    event,
+)
+from sqlalchemy.exc import SQLAlchemyError
+
+from keyexpiry.errors import StoreError
+from keyexpiry.masking import mask_url, redact
+
+_LOCK_WAIT_MAX_S = 5
+
+
+def error_code(exc: BaseException | None) -> int | str | None:
+    """The error behind `exc` (a SQLAlchemy error or the driver's own): MySQL/MariaDB's number
+    (PyMySQL puts it first in `args`) or PostgreSQL's SQLSTATE (psycopg's `sqlstate`). The
+    number first: PyMySQL 1.2 sets a `sqlstate` too, as vague as `HY000` for a lock wait
+    timeout."""
+    orig = getattr(exc, "orig", None) or exc
+    args = getattr(orig, "args", ())
+    if args and isinstance(args[0], int):
+        return args[0]
+    sqlstate = getattr(orig, "sqlstate", None)
+    return sqlstate if isinstance(sqlstate, str) else None
+
+
+# A server that cannot take statements on this connection, whatever the statement: a Galera node
+# cut off from its cluster's primary component ("WSREP has not yet prepared node for application
+# use", 1047), a PostgreSQL standby (25006: read-only transaction, e.g. a failover's old primary
+# come back as one) or a server shutting down (57P01-57P03). The connection is no use: it counts
+# as disconnected, so the pool drops it and a new one goes where the proxy or the multi-host URL
+# points now, and the statement is retried once like any other on a dead connection.
+_SERVER_NOT_SERVING: frozenset[int | str] = frozenset({1047, "25006", "57P01", "57P02", "57P03"})
+
+
+def not_serving(exc: BaseException | None) -> bool:
+    """Whether `exc` says its connection's server takes no statements (`_SERVER_NOT_SERVING`)."""
+    return error_code(exc) in _SERVER_NOT_SERVING
+
+
+def _not_serving_is_a_disconnect(context: Any) -> None:
+    # SQLAlchemy's own hook: a disconnect invalidates the connection (and the pool's older ones).
+    if not_serving(context.original_exception):
+        context.is_disconnect = True
+
+
+def make_engine(url: str) -> Engine:
+    """An engine tuned for the ledger: SQLite in WAL mode with a busy timeout; MySQL/MariaDB and
+    PostgreSQL in READ COMMITTED with short lock waits.
+
+    A PostgreSQL URL without a driver (`postgresql://`, or Heroku's `postgres://`) means psycopg
+    3, the driver keyexpiry is tested with (SQLAlchemy's own default would be psycopg2)."""
+    url = postgres_driver(url)
+    try:
+        if url.startswith("sqlite"):
+            engine = create_engine(
+                url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=10
+            )
+
+            @event.listens_for(engine, "connect")
+            def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+                cur = dbapi_conn.cursor()
+                # WAL lets the CLI read while the listener writes; NORMAL sync is safe in WAL.
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.close()
+
+            return engine
+        engine = create_engine(
+            url,
+            # No pre-ping (a round trip per checkout, on every create and claim): a statement
+            # that finds its connection dead is retried once on a fresh one instead (see
+            # `_retried`); every statement here is safe to repeat.
+            pool_pre_ping=False,
+            pool_reset_on_return=None,  # engine.begin() always ends the transaction itself
+            pool_recycle=1800,
+            pool_size=10,
+            # Claims touch only the rows they name; READ COMMITTED avoids gap locks between
+            # listeners claiming neighbouring keys.
+            isolation_level="READ COMMITTED",
+        )
+
+        event.listen(engine, "connect", _session_setup(engine.dialect.name))
+        event.listen(engine, "handle_error", _not_serving_is_a_disconnect)
+        return engine
+    except ImportError as exc:
+        extra = " (pip install 'keyexpiry[postgres]')" if "psycopg" in str(exc) else ""
+        raise StoreError(
+            f"cannot use database {mask_url(url)}: {redact(str(exc), url)}{extra}"
+        ) from None
+    except (SQLAlchemyError, ValueError) as exc:
+        raise StoreError(f"cannot use database {mask_url(url)}: {redact(str(exc), url)}") from None
+
+
+def postgres_driver(url: str) -> str:
+    """`url` with psycopg 3 named as its driver when it names PostgreSQL without one."""
+    for bare in ("postgresql://", "postgres://"):
+        if url.startswith(bare):
+            return "postgresql+psycopg://" + url[len(bare) :]
+    return url
+
+
+def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
+    # keyexpiry's own transactions hold row locks for milliseconds: waiting the server's default
+    # 50 s on a row someone else locked would stall the claimer for that long (and again when it
+    # claims around the lock). A lower server setting is kept.
+    cur = dbapi_conn.cursor()
+    cur.execute(
+        "SET SESSION innodb_lock_wait_timeout = "
+        f"LEAST(@@GLOBAL.innodb_lock_wait_timeout, {_LOCK_WAIT_MAX_S})"
+    )
+    cur.close()
+
+
+def _short_lock_waits_pg(dbapi_conn: Any, _record: Any) -> None:
+    # As `_short_lock_waits`, with PostgreSQL's `lock_timeout` (0: wait for ever). Committed:
+    # psycopg runs it in a transaction, whose rollback on return to the pool would undo it.
+    cur = dbapi_conn.cursor()
+    cur.execute(
+        "SELECT set_config('lock_timeout', CASE WHEN current_setting('lock_timeout')::interval"
+        f" BETWEEN interval '1 ms' AND interval '{_LOCK_WAIT_MAX_S} s'"
+        f" THEN current_setting('lock_timeout') ELSE '{_LOCK_WAIT_MAX_S}s' END, false)"
+    )
+    cur.close()
+    if not dbapi_conn.autocommit:
+        dbapi_conn.commit()
+
+
+def _session_setup(dialect: str) -> Callable[[Any, Any], None]:
+    """The settings a new connection of `dialect`'s server gets (`_short_lock_waits`)."""
+    return _short_lock_waits_pg if dialect == "postgresql" else _short_lock_waits
+
+
+def _read_committed(dbapi_conn: Any, _record: Any) -> None:
+    # As on the main pool (whose isolation_level says so): an upsert takes no gap locks.
+    cur = dbapi_conn.cursor()
+    cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    cur.close()
+
+
+_CLIENT_FOUND_ROWS = 2
+"""The MySQL protocol's capability flag that makes affected rows count matched rows."""
+
+
+def _changed_rows_only(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    # SQLAlchemy asks every MySQL connection for found rows. Without it, a statement's affected
+    # rows are the rows it changed. (The upsert counts 1 inserted, 2 updated either way: its
+    # update always changes the row, `_moved_on`; that is how a single create knows whether
+    # its key was new, in its one round trip.)
+    cparams["client_flag"] = int(cparams.get("client_flag", 0)) & ~_CLIENT_FOUND_ROWS
+
+
+def autocommit_engine(engine: Engine) -> Engine | None:
+    """A second pool on `engine`'s MySQL/MariaDB or PostgreSQL database whose connections stay in
+    autocommit, for statements that are a whole transaction by themselves (creating one task).
+
+    On the main pool such a statement costs two round trips (it, then COMMIT); here it costs
+    one, and returning the connection sends nothing (no ROLLBACK). Switching a pooled connection
+    to autocommit and back would cost more round trips than it saves (psycopg sends a BEGIN of its
+    own before a transaction's first statement: three round trips saved to one). None on SQLite
+    (no round trips to save) and on SQLAlchemy before 2.0.43 (no `skip_autocommit_rollback`:
+    closing the connection would send a ROLLBACK, as costly as the COMMIT saved).
+    """
+    if engine.dialect.name == "sqlite":
+        return None
+    try:
+        auto = create_engine(
+            engine.url,
+            pool_pre_ping=False,  # as on the main pool: a dead connection is retried instead
+            pool_reset_on_return=None,
+            pool_recycle=1800,
+            pool_size=10,
+            isolation_level="AUTOCOMMIT",
+            skip_autocommit_rollback=True,
+        )
+    except TypeError:
+        return None
+    if engine.dialect.name == "postgresql":
+        # READ COMMITTED is PostgreSQL's default, and each statement here is a transaction.
+        event.listen(auto, "connect", _short_lock_waits_pg)
+    else:
+        event.listen(auto, "do_connect", _changed_rows_only)
+        event.listen(auto, "connect", _short_lock_waits)
+        event.listen(auto, "connect", _read_committed)
+    event.listen(auto, "handle_error", _not_serving_is_a_disconnect)
+    # Whoever closes the ledger disposes of its engine; this pool goes with it.
+    event.listen(engine, "engine_disposed", lambda _engine: auto.dispose())
+    return auto
