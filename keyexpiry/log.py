@@ -36,7 +36,8 @@ def _format(record: Any) -> str:
         extra["printable_exception"] = "  " + printable_lines(text, "  ") + "\n"
         tail = "{extra[printable_exception]}"
     return (
-        "<green>{time:YYYY-MM-DD HH:mm:ss.SSS}</green> <level>{level: <7}</level>"
+        # ISO 8601 with the offset: lines from hosts (or Django settings) in other zones line up.
+        "<green>{time:YYYY-MM-DDTHH:mm:ss.SSSZ}</green> <level>{level: <7}</level>"
         + task
         + " {extra[printable_message]}\n"
         + tail

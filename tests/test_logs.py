@@ -99,3 +99,8 @@ def test_log_lines_show_times_as_iso_8601_never_epoch_ms(
     assert any("will retry in" in line for line in log_lines), log_lines
     epochs = [line for line in log_lines if EPOCH_MS.search(line)]
     assert not epochs, epochs
+    # Each line's own time too: ISO 8601 with the offset, whatever the process's zone.
+    stamps = [line.split(" ", 1)[0] for line in log_lines]
+    assert all(
+        re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d", t) for t in stamps
+    ), stamps
