@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from keyexpiry import Client, Settings
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.creates import TaskRequest
 from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
@@ -64,6 +65,8 @@ def test_one_trace_from_the_request_that_creates_a_task_to_the_handlers_span(
     assert isinstance(attributes["keyexpiry.late_ms"], int)
     assert run.kind is trace.SpanKind.CONSUMER
     # The listener's own steps are spans too (in traces of their own: a claim serves many).
+    # The record span ends after its commit, which `wait_status` may see first (a CI flake).
+    wait_until(lambda: bool(_named(spans, "keyexpiry.record")), 10, message="no record span")
     assert _named(spans, "keyexpiry.claim") and _named(spans, "keyexpiry.record")
 
 

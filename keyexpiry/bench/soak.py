@@ -329,8 +329,17 @@ class Producer:
             try:
                 if via != "tx":
                     return [s.due_at_ms for s in self.ke.create_many(requests)]
-                with self.ke.store.engine.begin() as conn:
-                    return [s.due_at_ms for s in self.ke.create_many(requests, tx=conn)]
+                with self.ke.store.engine.connect() as conn:
+                    transaction = conn.begin()
+                    dues = [s.due_at_ms for s in self.ke.create_many(requests, tx=conn)]
+                    try:
+                        transaction.commit()
+                    except sa.exc.DBAPIError:
+                        # The connection lost during COMMIT: it may have committed (seen in
+                        # CI at a MariaDB restart), so the retry is window 3, as a StoreError's.
+                        ambiguous = True
+                        raise
+                    return dues
             except RedisUnavailableError:
                 # Recorded, its key not set: reconciliation arms it. Creating it again could
                 # run it twice (GUARANTEES window 3), so read the due times back instead.
