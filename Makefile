@@ -9,10 +9,10 @@ STAMP := $(VENV)/.installed-stamp
 # (playwright, mypy, matplotlib, ... would triple the venv of someone who only runs the demo).
 RUN_STAMP := $(VENV)/.run-stamp
 PYTEST_ARGS ?=
-# Four workers on two cores: the tests mostly wait on servers and deadlines (the full suite took
-# 18 min at -n 2, 13 at -n 4 on a loaded machine; -n 6 flaked and was no faster); worksteal hands
-# a slow test's queued neighbours to idle workers so the soak does not leave a tail.
-XDIST ?= -n 4 --dist worksteal
+# Two workers on two cores. Four were faster (full suite 11-12 min against 15-18) but three
+# fresh-clone CI runs at -n 4 each failed a different timing-bound fault test under the load:
+# `make test XDIST="-n 4 --dist worksteal"` to try it; the suite is not steady there yet.
+XDIST ?= -n 2 --dist worksteal
 # The peers benchmark has a venv of its own: arq pins redis-py below 6 (and brings hiredis), which
 # the main venv must not get (its mypy checks keyexpiry against the redis-py it really uses).
 PEERS_VENV := .venv-peers
