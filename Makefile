@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # Two workers on two cores. Four were faster (full suite 11-12 min against 15-18) but three
 # fresh-clone CI runs at -n 4 each failed a different timing-bound fault test under the load:
 # `make test XDIST="-n 4 --dist worksteal"` to try it; the suite is not steady there yet.
-XDIST ?= -n 2 --dist worksteal
+XDIST ?= -n 2
 # The peers benchmark has a venv of its own: arq pins redis-py below 6 (and brings hiredis), which
 # the main venv must not get (its mypy checks keyexpiry against the redis-py it really uses).
 PEERS_VENV := .venv-peers
