@@ -1,6 +1,10 @@
 """`Client`: creating, cancelling and inspecting tasks, the API business code calls.
 
-What its calls are handed (`TaskRequest`, targets, due times) is checked in `creates.py`."""
+What its calls are handed (`TaskRequest`, targets, due times) is checked in `creates.py`.
+
+Long because `Client` is the one public API object business code holds: its creating, cancelling,
+reading and pausing calls stay together (schedules come from `ScheduleCalls`).
+"""
 
 from __future__ import annotations
 

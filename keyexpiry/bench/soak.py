@@ -14,7 +14,7 @@ start and end; every 10 s each listener's RSS, descriptors, threads and connecti
 memory and the ledger's rows are written to `samples.jsonl`. `soak_verdict` reads only these
 files (and nothing from the listeners' logs) to decide every task's fate.
 
-Why one module of ~950 lines: it is one scenario's runner. `SoakConfig` and the run directory's
+Long because it is one scenario's runner. `SoakConfig` and the run directory's
 files tie its parts together (the fleet, the producer, the fault rotation, the samplers, the
 report), and none is used elsewhere; reading the history back and judging it are modules of
 their own (`soak_history`, `soak_verdict`). Should a part grow or be reused, `Fleet` and

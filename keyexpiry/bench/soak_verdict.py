@@ -14,7 +14,7 @@
 `keyexpiry.bench.soak_plots` re-reads the files through `soak_history.load()` for its per-task
 series.
 
-Why one module of ~700 lines: it is one judgement, its sections (fates, lateness, growth,
+Long because it is one judgement, its sections (fates, lateness, growth,
 throughput, then the failures they add up to) each a block of small pure functions over the same
 `History` and run `params`, and `_failures` reads every section's keys; split apart, each part
 would only be imported here. The reading of the files is `soak_history`.

@@ -4,6 +4,9 @@ pause, resume, remove, run now, and find schedules whose occurrence row went mis
 Each schedule has one row in time_limit_task at a time: its next occurrence, an ordinary task
 (key `Class@method@args`) marked with the schedule's name. Its outcome moves the schedule on in
 the same transaction (`ClaimQueries.record`), so no other process decides what comes next.
+
+Long because a schedule row's declare, pause, resume, remove, run-now and malformed-row checks all
+work under the same row lock rules; split, each would re-state them.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ never a driver exception.
 
 SQLAlchemy Core, no ORM: the hot paths are a handful of set-based statements (claim a batch of keys,
 record a batch of outcomes), and Core keeps them explicit and cheap.
+
+Long because `Store` is the single facade over every query family (it mixes them in); its own
+queries are business code's reads and the schema.
 """
 
 from __future__ import annotations
