@@ -122,3 +122,41 @@ def test_a_wake_message_longer_than_keyexpiry_sends_is_not_read() -> None:
     line = b"5 Probe@record@a\n"
     assert list(parse_wake(line * (WAKE_MAX_BYTES // len(line)))) != []
     assert list(parse_wake(line * (WAKE_MAX_BYTES // len(line) + 1))) == []
+
+
+def test_a_key_due_now_by_a_clock_ahead_of_redis_s_expires_at_once_not_at_redis_s_sweep(
+    redis_url: str,
+) -> None:
+    # A run-now task (ttl 0) is due the very millisecond it is created, and the creator's clock
+    # may be a hair ahead of Redis's: armed at its due time, its lookup found it alive and it
+    # waited for Redis's sweep (up to 100 ms at the default hz; run-now p50 was 40 ms). Its
+    # expiry time is set in the past instead. A sweep once a second makes a miss plain.
+    r = redis.Redis.from_url(redis_url)
+    hz = r.config_get("hz")["hz"]
+    sub = r.pubsub()
+    try:
+        r.config_set("hz", 1)
+        sub.subscribe("__keyevent@0__:expired")
+        wait_until(lambda: sub.get_message(timeout=0.1) is None, 5)  # drain the subscribe reply
+        seconds, micros = r.time()
+        # The creator's clock far ahead, so that a key armed at its due time could not expire
+        # before the deadline below by any means (the real skew is a millisecond or less).
+        ahead_ms = seconds * 1000 + micros // 1000 + 2_000
+        keys = [f"Probe@record@now{i}" for i in range(20)]
+        for key in keys:  # one at a time, as single creates arm them
+            arm_keys(r, [(key, ahead_ms)], ahead_ms, Settings(wake_ahead_s=120))
+        expired: set[str] = set()
+
+        def all_expired() -> bool:
+            while (msg := sub.get_message(timeout=0.01)) is not None:
+                if msg["type"] == "message":
+                    expired.add(msg["data"].decode())
+            return expired == set(keys)
+
+        # Well before the keys' due time on Redis's clock: only the lookup beside each SET can
+        # have expired them.
+        wait_until(all_expired, 1.0)
+    finally:
+        r.config_set("hz", hz)
+        sub.close()
+        r.close()

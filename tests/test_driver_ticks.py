@@ -1,5 +1,6 @@
-"""The driver's passes: keys falling due within one tick share a lookup, none is looked up early,
-and a lookup both expires a due key and puts back one Redis still holds."""
+"""The driver's passes: keys falling due within one tick share a lookup, none is looked up before
+Redis expires it, and a lookup both expires a due key and puts back one Redis still holds (looked
+up again when Redis expires it, not a tick later)."""
 
 from __future__ import annotations
 
@@ -68,25 +69,28 @@ def test_keys_due_within_a_tick_are_looked_up_in_one_pass_and_never_early(
     driver, clock, passes = _leading(runtime, [lone, *burst, later])
 
     clock._now_ms = lone - 1
-    assert driver._step() == pytest.approx(0.001)  # sleeps until the first due time
+    assert driver._step() == pytest.approx(0.002)  # sleeps until Redis has expired the first
     assert not passes  # a millisecond early is still early
-
     clock._now_ms = lone
     driver._step()
-    assert passes == [(lone, [lone])]  # alone: looked up at its due time, not a tick later
+    assert not passes  # Redis expires a key once its clock is past the key's time
+
+    clock._now_ms = lone + 1
+    driver._step()
+    assert passes == [(lone + 1, [lone])]  # alone: looked up at once, not a tick later
 
     # The next keys fall due before the tick is over: they wait for it, and go together.
-    clock._now_ms = burst[0]
-    assert driver._step() == pytest.approx((lone + TICK_MS - burst[0]) / 1000)
+    clock._now_ms = burst[0] + 1
+    assert driver._step() == pytest.approx((lone + 1 + TICK_MS - clock._now_ms) / 1000)
     assert len(passes) == 1
-    clock._now_ms = lone + TICK_MS
+    clock._now_ms = lone + 1 + TICK_MS
     driver._step()
-    assert passes[1] == (lone + TICK_MS, burst)
+    assert passes[1] == (lone + 1 + TICK_MS, burst)
 
-    clock._now_ms = later
+    clock._now_ms = later + 1
     driver._step()
-    assert passes[2] == (later, [later])
-    assert all(due <= now for now, dues in passes for due in dues)  # never early
+    assert passes[2] == (later + 1, [later])
+    assert all(due < now for now, dues in passes for due in dues)  # never early
     assert driver.pending_count() == 0
 
 
@@ -102,7 +106,7 @@ def test_a_busy_stream_is_looked_up_once_per_tick(client: Client, runtime: Runti
     looked_up = [due for _, batch in passes for due in batch]
     assert sorted(looked_up) == dues
     assert len(passes) <= 100 // TICK_MS + 2
-    assert all(due <= now < due + TICK_MS + 1 for now, batch in passes for due in batch)
+    assert all(due < now <= due + TICK_MS + 1 for now, batch in passes for due in batch)
     times = [now for now, _ in passes]
     assert all(b - a >= TICK_MS for a, b in itertools.pairwise(times))
 
@@ -136,5 +140,24 @@ def test_a_lookup_expires_due_keys_and_puts_back_those_redis_still_holds(
 
     wait_until(expired_heard, 5)
     events.close()
-    [(due, key)] = driver._heap
+    [(due, key)] = driver._recheck
     assert key == "tick:alive" and now_ms < due <= now_ms + 1_001
+
+
+def test_a_key_found_alive_is_looked_up_again_when_redis_expires_it_not_a_tick_later(
+    client: Client, runtime: Runtime
+) -> None:
+    due = runtime.clock.now_ms() + 60_000
+    driver, clock, passes = _leading(runtime, [due])
+    clock._now_ms = due + 1
+    driver._step()
+    assert passes == [(due + 1, [due])]
+    # The lookup found it alive (this clock a hair ahead of Redis's): Redis expires it at
+    # due + 2, a tick before the next pass may otherwise be made.
+    with driver._lock:
+        driver._recheck.append((due + 2, "tick0"))
+    assert driver._step() == pytest.approx(0.001)
+    clock._now_ms = due + 2
+    driver._step()
+    assert passes[1] == (due + 2, [due + 2])
+    assert driver.pending_count() == 0

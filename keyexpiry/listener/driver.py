@@ -6,10 +6,14 @@ The driver keeps a window of upcoming (key, due) pairs read from the ledger's (s
 …) index, sleeps until the next due time, and looks the due keys up (PTTL), which makes Redis expire
 them and publish `expired` on the spot. The event stays the one dispatch path.
 
-Lookups come in passes at most one tick apart: a key due alone is looked up at its due time, keys
-falling due while a pass was recent wait for the next tick and go together. Every expiry sets off a
-chain of work (an event to read, a claim transaction, an outcome to record); keys that expire in the
-same instant share it, so a busy listener pays it once per tick rather than once per key.
+Lookups come in passes at most one tick apart: a key due alone is looked up the millisecond after
+its due time (Redis expires a key once its clock is *past* the key's time: looked up in its due
+millisecond, it is still there), keys falling due while a pass was recent wait for the next tick
+and go together. A key a lookup found still alive (this clock a hair ahead of Redis's) is looked
+up again when Redis expires it, tick or no tick: it has waited its turn already. Every expiry
+sets off a chain of work (an event to read, a claim transaction, an outcome to record); keys that
+expire in the same instant share it, so a busy listener pays it once per tick rather than once
+per key.
 
 Tasks created after a window was read arrive through the wake channel (creators publish tasks due
 soon). Anyone who may PUBLISH can write there too, so what it says is kept apart from what the
@@ -103,6 +107,9 @@ class ExpiryDriver:
         self.is_leader = False
         self._heap: list[tuple[int, str]] = []
         """Upcoming (due, key) read from the ledger."""
+        self._recheck: list[tuple[int, str]] = []
+        """(when, key) a lookup found alive a hair before Redis expires it: looked up again at
+        that time, not held for the next tick."""
         self._woken: list[tuple[int, str]] = []
         """(due, key) announced on the wake channel (which anyone may write): kept apart, so a
         forged entry never takes the place of a row read from the ledger."""
@@ -184,7 +191,7 @@ class ExpiryDriver:
     def pending_count(self) -> int:
         """Entries waiting in the window (for status and the benchmark)."""
         with self._lock:
-            return len(self._heap) + len(self._woken)
+            return len(self._heap) + len(self._woken) + len(self._recheck)
 
     # --- loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -224,29 +231,36 @@ class ExpiryDriver:
         next_pass = self._last_pass_ms + TICK_MS
         due: list[tuple[int, str]] = []
         with self._lock:
+            # A key is looked up once Redis has expired it: past its due millisecond.
+            recheck = self._recheck
+            while recheck and recheck[0][0] <= now_ms:
+                due.append(heapq.heappop(recheck))
             next_due = self._next_due()
             # Before the tick is over a due key waits for the keys falling due with it.
-            if next_due is not None and next_due <= now_ms and now_ms >= next_pass:
+            if next_due is not None and next_due < now_ms and now_ms >= next_pass:
                 for heap in (self._heap, self._woken):
-                    while heap and heap[0][0] <= now_ms:
+                    while heap and heap[0][0] < now_ms:
                         due.append(heapq.heappop(heap))
+                next_pass = now_ms + TICK_MS
+                self._last_pass_ms = now_ms
                 next_due = self._next_due()
         if due:
-            self._last_pass_ms = now_ms
             self._look_up(due, now_ms)
-            next_pass = now_ms + TICK_MS
-            with self._lock:  # the lookups may have put a key back (alive a hair longer)
-                next_due = self._next_due()
             now_ms = self.clock.now_ms()
+        with self._lock:  # the lookups may have put a key back (alive a hair longer)
+            next_due = self._next_due()
+            next_recheck = recheck[0][0] if recheck else None
         next_read = self._horizon_ms - window_ms // 2
         if overflow_in_s is not None:
             next_read = min(next_read, now_ms + int(overflow_in_s * 1000))
-        wake_at = next_read if next_due is None else min(max(next_due, next_pass), next_read)
+        wake_at = next_read if next_due is None else min(max(next_due + 1, next_pass), next_read)
+        if next_recheck is not None:
+            wake_at = min(wake_at, next_recheck)
         # Re-check the lock at least once a second; never sleep past the next due time (or tick).
         return max(0.0, min((wake_at - now_ms) / 1000.0, 1.0))
 
     def _next_due(self) -> int | None:
-        """The earliest due time waiting, of either source (under `_lock`)."""
+        """The earliest due time waiting, of either source, rechecks aside (under `_lock`)."""
         heap, woken = self._heap, self._woken
         if heap and woken:
             return min(heap[0][0], woken[0][0])
@@ -295,12 +309,14 @@ class ExpiryDriver:
             with self._lock:
                 self._heap.clear()
                 self._woken.clear()
+                self._recheck.clear()
                 self._horizon_ms = now_ms - 5000
         elif not held and self.is_leader:
             logger.info("expiry driver: another listener took over")
             with self._lock:
                 self._heap.clear()
                 self._woken.clear()
+                self._recheck.clear()
         self.is_leader = held
         return held
 
@@ -396,7 +412,7 @@ class ExpiryDriver:
             if again:
                 with self._lock:
                     for item in again:
-                        heapq.heappush(self._heap, item)
+                        heapq.heappush(self._recheck, item)
 
 
 def _node_name(node: redis.Redis) -> str:
