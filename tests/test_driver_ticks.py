@@ -4,6 +4,7 @@ up again when Redis expires it, not a tick later)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -161,3 +162,25 @@ def test_a_key_found_alive_is_looked_up_again_when_redis_expires_it_not_a_tick_l
     driver._step()
     assert passes[1] == (due + 2, [due + 2])
     assert driver.pending_count() == 0
+
+
+def test_with_no_tick_every_key_of_a_busy_stream_is_looked_up_the_millisecond_redis_expires_it(
+    client: Client, runtime: Runtime
+) -> None:
+    start = runtime.clock.now_ms() + 60_000
+    dues = [start + i for i in range(20)]
+    clock = ManualClock(dues[0] - 1000)
+    driver = ExpiryDriver(
+        store=runtime.store,
+        redis=runtime.redis,
+        clock=clock,
+        settings=dataclasses.replace(runtime.settings, driver_tick_ms=0),
+        owner=runtime.owner,
+    )
+    passes = _record_passes(driver)
+    driver._step()
+    driver.note((f"tick{i}", due) for i, due in enumerate(dues))
+    clock._now_ms = dues[0]
+    while driver.pending_count():
+        clock.advance(max(1, round(driver._step() * 1000)))
+    assert passes == [(due + 1, [due]) for due in dues]

@@ -76,13 +76,15 @@ def due_wave(
     cpu_cores: float | None = None,
     settle_port: int | None = None,
     payload: Any = None,
+    listener_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """`n` tasks due over `span_s` seconds (each carrying `payload`); lateness, rate, listener
     CPU/RSS, fired by the cap.
 
     With several `listeners` the CPU is their sum, the RSS the largest, the lateness of all;
     they share the keys (`keyexpiry.listener.partition`) before the wave is created.
-    `cpu_cores` gives each listener a CPU quota of its own.
+    `cpu_cores` gives each listener a CPU quota of its own; `listener_env`, more settings
+    (`KEYEXPIRY_*`) for every listener.
     """
     redis_url, db_url = urls
     with contextlib.ExitStack() as stack:
@@ -96,6 +98,7 @@ def due_wave(
                     concurrency=concurrency,
                     cpu_cores=cpu_cores,
                     http=f"127.0.0.1:{settle_port}" if settle_port and i == 0 else "",
+                    extra_env=dict(listener_env or {}),
                 )
             )
             for i in range(listeners)

@@ -50,9 +50,10 @@ from keyexpiry.threads import ThreadErrors, spawn
 # beyond it the task was rescheduled (the wake channel or the next read brings the new time).
 _RECHECK_MS = 50
 _LOOKUP_BATCH = 1000
-# The shortest time between two lookup passes: the most a busy stream of keys waits past its due
-# time for the driver, traded for keys looked up, announced and claimed together.
 TICK_MS = 4
+"""The default shortest time between two lookup passes (`Settings.driver_tick_ms`): the most a
+busy stream of keys waits past its due time for the driver, traded for keys looked up, announced
+and claimed together."""
 _LEASE_MS = 5000
 OVERFLOW_REREAD_S = 1.0
 """After wake entries were dropped (more than `driver_max_rows` waiting), the window is read
@@ -134,7 +135,8 @@ class ExpiryDriver:
         self._lease_checked_ms = 0
         self._reread = False
         """Set by `reread` (another thread): the next step reads the whole window again."""
-        self._last_pass_ms = -TICK_MS
+        self._tick_ms = settings.driver_tick_ms
+        self._last_pass_ms = -self._tick_ms
 
     def start(self, errors: ThreadErrors | None = None) -> None:
         """Run the driver on its own thread; unexpected exceptions are counted in `errors`."""
@@ -228,7 +230,8 @@ class ExpiryDriver:
                 self._horizon_ms = min(self._horizon_ms, now_ms - 5000)
         if self._horizon_ms - now_ms < window_ms // 2:
             self._read_window(now_ms, window_ms)
-        next_pass = self._last_pass_ms + TICK_MS
+        tick_ms = self._tick_ms
+        next_pass = self._last_pass_ms + tick_ms
         due: list[tuple[int, str]] = []
         with self._lock:
             # A key is looked up once Redis has expired it: past its due millisecond.
@@ -241,7 +244,7 @@ class ExpiryDriver:
                 for heap in (self._heap, self._woken):
                     while heap and heap[0][0] < now_ms:
                         due.append(heapq.heappop(heap))
-                next_pass = now_ms + TICK_MS
+                next_pass = now_ms + tick_ms
                 self._last_pass_ms = now_ms
                 next_due = self._next_due()
         if due:
