@@ -4,9 +4,12 @@ nothing."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from sqlalchemy import BigInteger, Column, Engine, MetaData, Table, inspect, text
 
+from keyexpiry.bench.servers import wait_until
 from keyexpiry.flow.pauses import Pause
 from keyexpiry.ledger.migrations import (
     add_missing_columns,
@@ -284,5 +287,94 @@ def test_a_ledger_from_before_schedules_gains_their_column_and_table_and_keeps_i
         with engine.begin() as conn:
             assert add_missing_columns(conn) == []
             assert add_missing_indexes(conn) == ([], [])
+    finally:
+        engine.dispose()
+
+
+def _valid_indexes(engine: Engine) -> dict[str, bool]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT c.relname, i.indisvalid FROM pg_index i"
+                " JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_class t ON t.oid = i.indrelid"
+                " WHERE t.relname = 'time_limit_task'"
+            )
+        ).all()
+    return {str(name): bool(valid) for name, valid in rows}
+
+
+def test_on_postgresql_init_db_builds_a_missing_index_while_writes_go_on(pg_url: str) -> None:
+    # A plain CREATE INDEX waits for the table's SHARE lock behind an open writer, and every new
+    # write queues behind it; CONCURRENTLY takes a lock writers do not wait for.
+    engine = make_engine(pg_url)
+    writer = engine.connect()
+    try:
+        store = Store(engine)
+        store.create_schema()
+        store.upsert_pending([NewTask("A@m@1", "A", "m", ("1",), 5_000)], now_ms=1_000)
+        _drop_index(engine, "ix_time_limit_task_status_finished")
+        writer.begin()
+        writer.execute(text("UPDATE time_limit_task SET updated_at_ms = 2 WHERE id > 0"))
+        built = threading.Thread(target=store.create_schema, kwargs={"all_indexes": True})
+        built.start()
+
+        def building() -> bool:
+            with engine.connect() as conn:
+                return bool(
+                    conn.execute(
+                        text(
+                            "SELECT count(*) FROM pg_stat_activity"
+                            " WHERE query LIKE 'CREATE INDEX%' AND wait_event IS NOT NULL"
+                        )
+                    ).scalar_one()
+                )
+
+        wait_until(building, 10)
+        with engine.begin() as conn:
+            conn.execute(text("SET LOCAL lock_timeout = '3s'"))
+            conn.execute(
+                text(
+                    "INSERT INTO time_limit_task (task_key, class_name, method, args, status,"
+                    " attempts, due_at_ms, created_at_ms, updated_at_ms)"
+                    " VALUES ('A@m@2', 'A', 'm', '[\"2\"]', 'pending', 0, 6000, 1000, 1000)"
+                )
+            )
+        writer.commit()
+        built.join(timeout=30)
+        assert not built.is_alive()
+        assert _valid_indexes(engine)["ix_time_limit_task_status_finished"] is True
+        assert store.get("A@m@2") is not None
+    finally:
+        writer.close()
+        engine.dispose()
+
+
+def test_on_postgresql_init_db_rebuilds_an_index_a_failed_concurrent_build_left_invalid(
+    pg_url: str,
+) -> None:
+    engine = make_engine(pg_url)
+    try:
+        store = Store(engine)
+        store.create_schema()
+        store.upsert_pending(
+            [NewTask(f"A@m@{i}", "A", "m", (str(i),), 5_000) for i in range(2)], now_ms=1_000
+        )
+        _drop_index(engine, "ix_time_limit_task_status_finished")
+        # A unique build over duplicates fails half-way and leaves an invalid index behind, with
+        # the name the model's index would take.
+        autocommit = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        with autocommit as conn, pytest.raises(Exception, match="could not create unique index"):
+            conn.execute(
+                text(
+                    "CREATE UNIQUE INDEX CONCURRENTLY ix_time_limit_task_status_finished"
+                    " ON time_limit_task (status)"
+                )
+            )
+        assert _valid_indexes(engine)["ix_time_limit_task_status_finished"] is False
+        assert store.create_schema() == []  # a start leaves it: another may be building it
+        assert _valid_indexes(engine)["ix_time_limit_task_status_finished"] is False
+        assert store.create_schema(all_indexes=True) == []
+        assert _valid_indexes(engine)["ix_time_limit_task_status_finished"] is True
+        assert len(store.list_tasks()) == 2
     finally:
         engine.dispose()

@@ -5,7 +5,8 @@ table lacks.
 by an older keyexpiry gets each later column here, by `ALTER TABLE … ADD COLUMN`, with the
 column's default for the rows already there: nothing is rewritten or dropped. Running it again
 finds nothing to add. A new column must therefore be nullable or carry a server default.
-Indexes are added the same way, by name; on a big table only `keyexpiry init-db` builds them.
+Indexes are added the same way, by name; on a big table only `keyexpiry init-db` builds them (on
+PostgreSQL concurrently, so that writes go on).
 An index a later version no longer needs is dropped only by `keyexpiry init-db`, and only once the
 index that replaced it exists: until every listener runs the new version, an old one may still
 read through it.
@@ -13,8 +14,11 @@ read through it.
 
 from __future__ import annotations
 
+import re
+
+from loguru import logger
 from sqlalchemy import Column, Connection, Index, Integer, MetaData, Table, inspect, text
-from sqlalchemy.schema import CreateColumn
+from sqlalchemy.schema import CreateColumn, CreateIndex
 
 from keyexpiry.ledger.table import RETIRED_INDEXES, T, index_on, metadata
 
@@ -75,13 +79,20 @@ def rows_upper_bound(conn: Connection, table: Table) -> int:
 
 
 def add_missing_indexes(
-    conn: Connection, meta: MetaData = metadata, *, max_rows: int | None = None
+    conn: Connection,
+    meta: MetaData = metadata,
+    *,
+    max_rows: int | None = None,
+    concurrently: bool = False,
 ) -> tuple[list[str], list[str]]:
     """Create every missing index of every table in `meta`; return (built, deferred) index names.
 
     An index of a table with more than `max_rows` rows (None: no limit) is deferred, not built:
     the caller says so and `keyexpiry init-db` builds it. InnoDB builds a secondary index online
-    (reads and writes go on meanwhile); SQLite locks the file while it builds.
+    (reads and writes go on meanwhile); SQLite locks the file while it builds. On PostgreSQL a
+    plain CREATE INDEX blocks every write to the table until it is built: with `concurrently`
+    (`conn` must then be in autocommit: PostgreSQL refuses it inside a transaction) it is
+    built with CREATE INDEX CONCURRENTLY, which lets writes go on, and said before it starts.
     """
     built: list[str] = []
     deferred: list[str] = []
@@ -94,9 +105,46 @@ def add_missing_indexes(
             if too_big:
                 deferred.append(str(index.name))
                 continue
-            index.create(conn)
+            if concurrently:
+                logger.info(
+                    "building index {} on {} concurrently: writes go on meanwhile (a big table "
+                    "takes minutes)",
+                    index.name,
+                    table.name,
+                )
+                ddl = str(CreateIndex(index).compile(dialect=conn.dialect))
+                conn.execute(text(re.sub(r"^CREATE (UNIQUE )?INDEX ", _CONCURRENT, ddl)))
+            else:
+                index.create(conn)
             built.append(str(index.name))
     return built, deferred
+
+
+_CONCURRENT = r"CREATE \1INDEX CONCURRENTLY "
+
+
+def drop_invalid_indexes(conn: Connection, meta: MetaData = metadata) -> list[str]:
+    """PostgreSQL: drop the indexes of `meta`'s tables left invalid by a concurrent build that
+    failed or was interrupted (its name is taken, so it would never be built again, and an
+    invalid index is never used yet slows every write); return their names. Only `keyexpiry
+    init-db` calls it: an invalid index may also be one another process is building right now."""
+    names = [str(t.name) for t in meta.sorted_tables]
+    rows = conn.execute(
+        text(
+            "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+            " JOIN pg_class t ON t.oid = i.indrelid"
+            " WHERE NOT i.indisvalid AND t.relname = ANY(:tables)"
+            " AND t.relnamespace = to_regnamespace(current_schema())::oid"
+        ),
+        {"tables": names},
+    ).all()
+    dropped: list[str] = []
+    quote = conn.dialect.identifier_preparer.quote
+    for (name,) in rows:
+        logger.warning("dropping index {}: left invalid by a build that did not finish", name)
+        conn.execute(text(f"DROP INDEX CONCURRENTLY IF EXISTS {quote(name)}"))
+        dropped.append(str(name))
+    return dropped
 
 
 def drop_retired_indexes(conn: Connection, retired: dict[str, str] | None = None) -> list[str]:

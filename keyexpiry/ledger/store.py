@@ -40,6 +40,7 @@ from keyexpiry.ledger.migrations import (
     BUILD_ON_START_MAX_ROWS,
     add_missing_columns,
     add_missing_indexes,
+    drop_invalid_indexes,
     drop_retired_indexes,
 )
 from keyexpiry.ledger.outcomes import OutcomeQueries
@@ -126,8 +127,17 @@ class Store(
                     for name in add_missing_columns(conn):
                         logger.info("ledger upgraded: added column {}", name)
                 max_rows = None if all_indexes else BUILD_ON_START_MAX_ROWS
-                with self._schema_lock, self._tx() as conn:
-                    built, deferred = add_missing_indexes(conn, max_rows=max_rows)
+                if self.postgres:
+                    # Concurrently, outside a transaction: a plain build blocks every write.
+                    with self._schema_lock, self._statements() as conn:
+                        if all_indexes:
+                            drop_invalid_indexes(conn)
+                        built, deferred = add_missing_indexes(
+                            conn, max_rows=max_rows, concurrently=True
+                        )
+                else:
+                    with self._schema_lock, self._tx() as conn:
+                        built, deferred = add_missing_indexes(conn, max_rows=max_rows)
                 for name in built:
                     logger.info("ledger upgraded: built index {}", name)
                 if all_indexes:
