@@ -633,3 +633,25 @@ def test_plot_without_matplotlib_says_what_to_install(
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
     with pytest.raises(RuntimeError, match=r"pip install 'keyexpiry\[bench\]'"):
         plot(rec.run_dir, report)
+
+
+def test_a_step_that_comes_early_and_stays_fails_growth() -> None:
+    # Redis connections 5 -> 9 at a failover a quarter of the way in: the median is 9 already,
+    # so only the end against the start shows the step.
+    stepped = growth_check([5.0] * 12 + [9.0] * 36, integer=True, limit=0.10)
+    assert not stepped["passed"]
+    assert (stepped["start"], stepped["median"], stepped["end"]) == (5, 9, 9)
+    assert stepped["growth"] == 0 and stepped["step"] == pytest.approx(0.8)
+    # RSS stepping 82 -> 92 MB early on, flat after: the same.
+    assert not growth_check([82.0] * 10 + [92.0] * 38, integer=False, limit=0.10)["passed"]
+    # A step that goes back down within the run, or one of a single count, passes.
+    assert growth_check([5.0] * 12 + [9.0] * 30 + [5.0] * 6, integer=True, limit=0.10)["passed"]
+    assert growth_check([5.0] * 12 + [6.0] * 36, integer=True, limit=0.10)["passed"]
+
+
+def test_a_step_is_named_in_the_failures_with_start_median_and_end(rec: Recorder) -> None:
+    _listener_samples(rec, lambda t_s: 80 if t_s < 250 else 95)
+    report = judge(rec)
+    assert not report["passed"]
+    [failure] = [f for f in report["failures"] if "rss_mb" in f]
+    assert "80 (start) -> 95 (median) -> 95 (end)" in failure

@@ -890,10 +890,11 @@ def markdown(report: dict[str, Any], images: str) -> str:
     lines += [
         "",
         f"Growth after the {cfg['warm_up_s']:g} s warm-up (each listener process from its own "
-        "start plus the warm-up; *end*: median of the last three samples, every 10 s; the "
-        "limit is 10 %, and for counts also more than one):",
+        "start plus the warm-up; *start*, *end*: medians of the first and last three samples, "
+        "every 10 s; the end may exceed neither the median nor the start by more than 10 %, "
+        "and for counts also by more than one):",
         "",
-        "| slot / pid | samples | RSS MB median → end | fds | threads | ledger conns "
+        "| slot / pid | samples | RSS MB start → median → end | fds | threads | ledger conns "
         "| redis conns |",
         "|---|---:|---|---|---|---|---|",
     ]
@@ -902,7 +903,9 @@ def markdown(report: dict[str, Any], images: str) -> str:
         for name in ("rss_mb", "fds", "threads", "ledger_conns", "redis_conns"):
             mm = g["metrics"][name]
             cells.append(
-                f"{mm['median']:g} → {mm['end']:g}" if "median" in mm else str(mm["status"])
+                f"{mm['start']:g} → {mm['median']:g} → {mm['end']:g}"
+                if "median" in mm
+                else str(mm["status"])
             )
         lines.append(f"| {g['slot']} / {g['pid']} | {g['samples']} | " + " | ".join(cells) + " |")
     srv, bound = v["growth"]["servers"], v["ledger_bound"]
@@ -911,8 +914,12 @@ def markdown(report: dict[str, Any], images: str) -> str:
         ("pending rows", "ledger_pending_rows"),
     ):
         mm = srv[key]
-        shown = f"{mm['median']:,.0f} → {mm['end']:,.0f}" if "median" in mm else mm["status"]
-        lines.append(f"\n{label}, median → end: {shown} ({mm['status']}).")
+        shown = (
+            f"{mm['start']:,.0f} → {mm['median']:,.0f} → {mm['end']:,.0f}"
+            if "median" in mm
+            else mm["status"]
+        )
+        lines.append(f"\n{label}, start → median → end: {shown} ({mm['status']}).")
     tp = v["throughput"]["ok_ends_per_s"]
     lines += [
         "",

@@ -408,26 +408,38 @@ def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]
 
 
 def growth_check(values: list[float], integer: bool, limit: float) -> dict[str, Any]:
-    """End (median of the last 3) against the median of `values`: did it grow past `limit`?
+    """Did `values` grow past `limit`? Two ways: the end (median of the last 3) against the
+    median of all, which catches a steady climb, and the end against the start (median of the
+    first 3), which catches a step that came early and stayed: connections stepping 5 -> 9 at a
+    failover a quarter of the way in leave the median at 9, and a fleet run for months of such
+    faults adds them up.
 
-    growth = end / median - 1. A count (descriptors, threads, connections) must also have grown
-    by more than 1: a count of 6 cannot move by 10 %, its next step (7) is already +17 %, so a
-    relative limit alone would fail on a single descriptor opened at the wrong moment. With a
-    median of 0, growth is None and any rise (more than 1 for a count) fails.
+    growth = end / median - 1, step = end / start - 1. A count (descriptors, threads,
+    connections) must also have risen by more than 1: a count of 6 cannot move by 10 %, its next
+    step (7) is already +17 %, so a relative limit alone would fail on a single descriptor
+    opened at the wrong moment. From 0, the ratio is None and any rise (more than 1 for a
+    count) fails.
     """
     median = statistics.median(values)
+    start = statistics.median(values[:END_SAMPLES])
     end = statistics.median(values[-END_SAMPLES:])
-    rise = end - median
-    growth = end / median - 1 if median > 0 else None
-    grew = rise > 0 if growth is None else growth > limit
-    if integer:
-        grew = grew and rise > 1
+
+    def rose(base: float) -> tuple[bool, float | None]:
+        rise = end - base
+        ratio = end / base - 1 if base > 0 else None
+        up = rise > 0 if ratio is None else ratio > limit
+        return (up and rise > 1 if integer else up), ratio
+
+    grew, growth = rose(median)
+    stepped, step = rose(start)
     return {
+        "start": round(start, 3),
         "median": round(median, 3),
         "end": round(end, 3),
         "max": round(max(values), 3),
         "growth": None if growth is None else round(growth, 4),
-        "passed": not grew,
+        "step": None if step is None else round(step, 4),
+        "passed": not grew and not stepped,
     }
 
 
@@ -621,6 +633,14 @@ def _ids(section: dict[str, Any]) -> str:
     return ", ".join(ids)
 
 
+def _grew(m: dict[str, Any]) -> str:
+    """How a series failed `growth_check`: start, median and end, and both ratios."""
+    return (
+        f"grew {m['start']:g} (start) -> {m['median']:g} (median) -> {m['end']:g} (end): "
+        f"growth {m['growth']} against the median, {m['step']} against the start"
+    )
+
+
 def _failures(report: dict[str, Any]) -> list[str]:
     failures = []
     for name in FATES:
@@ -642,13 +662,12 @@ def _failures(report: dict[str, Any]) -> list[str]:
         for name, m in proc["metrics"].items():
             if not m["passed"]:
                 failures.append(
-                    f"listener pid {proc['pid']} (slot {proc['slot']}): {name} grew "
-                    f"{m['median']:g} -> {m['end']:g} (growth {m['growth']})"
+                    f"listener pid {proc['pid']} (slot {proc['slot']}): {name} {_grew(m)}"
                 )
     for name in ("redis_used_bytes", "ledger_pending_rows"):
         m = report["growth"]["servers"][name]
         if not m["passed"]:
-            failures.append(f"{name} grew {m['median']:g} -> {m['end']:g} (growth {m['growth']})")
+            failures.append(f"{name} {_grew(m)}")
     bound = report["ledger_bound"]
     if not bound["passed"]:
         failures.append(
