@@ -207,3 +207,31 @@ def test_a_dropped_node_subscription_is_resumed_and_heard_again(
         for key in keys:
             wait_status(c, key, TaskStatus.DONE, timeout_s=20)
         assert running.listener.events - events >= len(keys)
+
+
+def test_a_stalled_node_subscription_is_found_by_its_ping_and_subscribed_again(
+    cluster_url: str,
+    sqlite_url: str,
+    tmp_path: Path,
+    redis_cluster: LocalCluster,
+    start_listener: StartListener,
+) -> None:
+    """One primary stops answering (CLIENT PAUSE ALL: its connections stay open, as over a
+    stalled network or proxy; TCP says nothing): its feed's PING goes unanswered, the feed is
+    dropped and subscribed again once the node answers, and its events are heard after."""
+    cfg = make_settings(cluster_url, sqlite_url, tmp_path)
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        sub = running.listener.subscription
+        assert isinstance(sub, ClusterSubscription)
+        node = redis_cluster.primaries()[0]
+        resubscribed = sub.resubscribed
+        node.command("CLIENT", "PAUSE", "6000", "ALL")
+        wait_until(lambda: sub.resubscribed > resubscribed, 20)
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"unstalled{i}",), ttl_ms=200) for i in range(60)
+        )
+        slots = redis_cluster.slots_of(node)
+        assert any(lo <= key_slot(k.encode()) <= hi for k in keys for lo, hi in slots)
+        for key in keys:
+            wait_status(c, key, TaskStatus.DONE, timeout_s=20)

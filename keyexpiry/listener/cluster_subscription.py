@@ -26,7 +26,10 @@ from keyexpiry.errors import RedisConfigError
 from keyexpiry.listener.subscription import (
     _MAX_MESSAGES_PER_STEP,
     _MESSAGE_TYPES,
+    _PROBE,
     CONNECTION_ERRORS,
+    PROBE_IDLE_S,
+    PROBE_PATIENCE_S,
     Subscription,
 )
 from keyexpiry.redis.cluster import ClusterNodes, Topology
@@ -42,6 +45,12 @@ from keyexpiry.redis.server import (
 REFRESH_S = 1.0
 """How often the slot table is read: a new primary is subscribed within about this long of the
 cluster announcing it (after a failover, the node timeout and the election come first)."""
+RESUBSCRIBE_CONFIRM_S = 1.0
+"""How long a refresh waits for a primary to confirm a subscription: every other primary's
+events wait meanwhile, so a node that does not answer (stalled) is tried again later."""
+RESUBSCRIBE_BACKOFF_MAX_S = 8.0
+"""A primary that failed to subscribe is tried again after 1 s, then twice as long each time,
+up to this."""
 
 
 @dataclass(eq=False)
@@ -55,6 +64,10 @@ class _Feed:
     """Whether this primary's subscription holds the (sharded) wake channel."""
     unread: bool = True
     """Messages may wait in the parser's buffer (select cannot tell): read before selecting."""
+    heard_s: float = 0.0
+    """When this primary's connection last gave anything (a message, a PONG)."""
+    probe_sent_s: float | None = None
+    """When a PING was sent to it that has not been answered yet."""
 
 
 class ClusterSubscription(Subscription):
@@ -72,6 +85,8 @@ class ClusterSubscription(Subscription):
         self._next_refresh_s = 0.0
         self._wake_slot = key_slot(self.wake_channel.encode())
         self._node_problems: dict[str, str] = {}
+        self._retry: dict[str, tuple[float, float]] = {}
+        """address -> (not before, backoff s): primaries whose subscription failed or stalled."""
         self.resubscribed = 0
         """Primaries subscribed after the first connect (failover, node added, reconnects)."""
 
@@ -173,20 +188,20 @@ class ClusterSubscription(Subscription):
         # CONFIG blocked (None) on any primary: eviction cannot be ruled out.
         self._health.eviction_possible = any(p != "noeviction" for p in policies)
 
-    def _subscribe(self, address: str, topology: Topology) -> None:
+    def _subscribe(self, address: str, topology: Topology, *, confirm_s: float = 10.0) -> None:
         client = self.cluster.subscriber(address)
         pubsub: Any = client.pubsub()  # type: ignore[no-untyped-call]
         try:
-            subscribe_confirmed(pubsub, [self.channel, self.evicted_channel])
+            subscribe_confirmed(pubsub, [self.channel, self.evicted_channel], timeout_s=confirm_s)
             wake = self.settings.driver and topology.owner(self._wake_slot) == address
             if wake:
-                _ssubscribe_confirmed(pubsub, self.wake_channel)
+                _ssubscribe_confirmed(pubsub, self.wake_channel, confirm_s)
         except BaseException:
             pubsub.close()
             client.close()
             raise
         pubsub.connection.register_connect_callback(self._on_reconnect)
-        feed = _Feed(address, client, pubsub, wake)
+        feed = _Feed(address, client, pubsub, wake, heard_s=monotonic_s())
         self._feeds[address] = feed
         self._register_sockets()
         if self.connected_once:
@@ -221,10 +236,38 @@ class ClusterSubscription(Subscription):
                     self._dispatch(msg["channel"], msg["data"])
                 drained = self._drain(feed.pubsub)
                 feed.unread = drained >= _MAX_MESSAGES_PER_STEP
-                count += (msg is not None) + drained
+                read = (msg is not None) + drained
+                if read:
+                    feed.heard_s, feed.probe_sent_s = monotonic_s(), None
+                count += read
             except CONNECTION_ERRORS as exc:
                 self._lose(feed, f"connection lost ({exc})")
+        self._probe_silent(feeds)
         return count
+
+    def _probe_silent(self, feeds: list[_Feed]) -> None:
+        """Ask each silent primary's connection a PING, and drop one that leaves it unanswered
+        for `PROBE_PATIENCE_S`: TCP says nothing while the link to one node is stalled (a
+        network or proxy in between, a frozen node), and its keys would go unheard for as long
+        as it lasts, the other primaries' events hiding it from the canary. Dropped, the
+        primary is subscribed again at the next refresh, which reconciles what expired unheard
+        (as `Subscription._probe` does for a single server)."""
+        now_s = monotonic_s()
+        for feed in feeds:
+            if feed.address not in self._feeds:
+                continue  # lost above
+            if feed.probe_sent_s is not None:
+                if now_s - feed.probe_sent_s >= PROBE_PATIENCE_S:
+                    self._lose(feed, f"did not answer a PING within {PROBE_PATIENCE_S:g} s")
+                    # Stalled, not gone: subscribing again at once would wait on it too.
+                    self._retry[feed.address] = (now_s + 1.0, 1.0)
+            elif now_s - feed.heard_s >= PROBE_IDLE_S:
+                try:
+                    feed.pubsub.ping(_PROBE)
+                except CONNECTION_ERRORS as exc:
+                    self._lose(feed, f"connection lost ({exc})")
+                    continue
+                feed.probe_sent_s = now_s
 
     def _refresh(self, now_s: float) -> None:
         """Follow the topology: subscribe new primaries, drop former ones, reconcile on change."""
@@ -251,11 +294,22 @@ class ClusterSubscription(Subscription):
         for address in topology.primaries:
             if address in self._feeds:
                 continue
+            not_before_s, backoff_s = self._retry.get(address, (0.0, 0.5))
+            if now_s < not_before_s:
+                continue
             try:
-                self._subscribe(address, topology)
+                self._subscribe(address, topology, confirm_s=RESUBSCRIBE_CONFIRM_S)
                 added.append(address)
+                self._retry.pop(address, None)
             except CONNECTION_ERRORS as exc:
-                logger.debug("cannot subscribe to primary {} yet: {}", address, exc)
+                backoff_s = min(backoff_s * 2, RESUBSCRIBE_BACKOFF_MAX_S)
+                self._retry[address] = (monotonic_s() + backoff_s, backoff_s)
+                logger.debug(
+                    "cannot subscribe to primary {} yet ({}); trying again in {:g} s",
+                    address,
+                    exc,
+                    backoff_s,
+                )
         self.topology = topology
         if moved or added:
             if added:
@@ -313,6 +367,6 @@ def _ssubscribe_confirmed(pubsub: Any, channel: str, timeout_s: float = 10.0) ->
     while True:
         if monotonic_s() > deadline:
             raise redis.TimeoutError(f"no ssubscribe confirmation within {timeout_s:g} s")
-        msg = pubsub.get_message(timeout=0.5)
+        msg = pubsub.get_message(timeout=max(0.0, min(0.5, deadline - monotonic_s())))
         if msg is not None and msg.get("type") == "ssubscribe":
             return

@@ -19,9 +19,11 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import SSLConnection, parse_url
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from keyexpiry.errors import ConfigError
 
@@ -192,12 +194,20 @@ class ClusterNodes:
         self._admins: dict[str, redis.Redis] = {}
         self._known: list[str] = [f"{h}:{p}" for h, p in parsed.addresses]
         self.last: Topology | None = None
+        self._unanswered: set[str] = set()
+        """Nodes whose last CLUSTER SLOTS failed (timed out, refused): asked last."""
 
     def admin(self, address: str) -> redis.Redis:
-        """A cached plain client to `address` for short commands (fails fast)."""
+        """A cached plain client to `address` for short commands (fails fast: no retries, which
+        made a stalled node cost five seconds per command instead of two)."""
         client = self._admins.get(address)
         if client is None:
-            quick = {**self.options, "socket_timeout": 2, "socket_connect_timeout": 1}
+            quick = {
+                **self.options,
+                "socket_timeout": 2,
+                "socket_connect_timeout": 1,
+                "retry": Retry(NoBackoff(), 0),
+            }
             client = node_client(address, self.parsed, quick)
             self._admins[address] = client
         return client
@@ -208,15 +218,20 @@ class ClusterNodes:
 
     def topology(self) -> Topology:
         """The slot table, from the first known node that answers (the last one that did
-        first); raises redis.ConnectionError when none does."""
+        first, one that failed to answer last time after every other: a stalled node costs
+        its read timeout once, not at every refresh); raises redis.ConnectionError when none
+        does."""
         order = list(dict.fromkeys([*(self.last.nodes if self.last else ()), *self._known]))
+        order.sort(key=lambda address: address in self._unanswered)  # stable
         error: Exception | None = None
         for address in order:
             try:
                 topology = read_topology(self.admin(address))
             except (redis.RedisError, OSError) as exc:
                 error = exc
+                self._unanswered.add(address)
                 continue
+            self._unanswered.discard(address)
             if not topology.slots:
                 continue
             self.last = topology

@@ -88,7 +88,7 @@ def subscribe_confirmed(pubsub: Any, channels: list[str], *, timeout_s: float = 
         while confirmed < len(channels):
             if monotonic_s() > deadline:
                 raise redis.TimeoutError(f"no subscribe confirmation within {timeout_s:g} s")
-            msg = pubsub.get_message(timeout=0.5)
+            msg = pubsub.get_message(timeout=max(0.0, min(0.5, deadline - monotonic_s())))
             if msg is not None and msg.get("type") == "subscribe":
                 confirmed += 1
     except redis.exceptions.NoPermissionError as exc:
