@@ -64,6 +64,22 @@ def test_commit_writes_the_row_then_arms_the_key_and_the_task_runs(
     assert done.attempts == 1 and sample_tasks.CALLS[key] == 1
 
 
+def test_a_task_due_now_in_a_transaction_runs_only_after_the_commit(
+    client: Client, settings: Settings, app_engine: Engine, start_listener: StartListener
+) -> None:
+    start_listener(settings)
+    # The listener runs what is due at once...
+    wait_status(client, client.create("Probe.record", "now-before", ttl_ms=0), TaskStatus.DONE)
+    with app_engine.begin() as conn:
+        key = client.create("Probe.record", "now-paid", ttl_ms=0, tx=conn)
+        # ... but this one is not committed: it has no key, and its row is seen by no one else.
+        assert client.redis.exists(key) == 0
+        assert not _committed_in_another_session(client, key)
+        assert sample_tasks.CALLS[key] == 0
+    done = wait_status(client, key, TaskStatus.DONE)
+    assert done.attempts == 1 and sample_tasks.CALLS[key] == 1
+
+
 def test_rollback_leaves_no_row_and_no_key(client: Client, app_engine: Engine) -> None:
     with app_engine.connect() as conn:
         key = client.create("Probe.record", "rolled-back", ttl_s=60, tx=conn)
