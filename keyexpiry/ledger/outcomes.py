@@ -104,10 +104,11 @@ class OutcomeQueries(Ledger):
         now_ms: int,
         rearm: list[tuple[str, int]] | None = None,
     ) -> int:
-        """Record finished runs in one transaction; a run whose claim was lost is skipped, and
-        so is one its handler's transaction recorded already (`Outcome.recorded`). An ended
-        occurrence of a schedule becomes its next occurrence: its (key, due) is added to
-        `rearm`, for the caller to arm once this has committed.
+        """Record finished runs (in one transaction when a schedule advances, else each statement
+        autocommitted); a run whose claim was lost is skipped, and so is one its handler's
+        transaction recorded already (`Outcome.recorded`). An ended occurrence of a schedule
+        becomes its next occurrence: its (key, due) is added to `rearm`, for the caller to arm
+        once this has committed.
 
         Returns how many rows were updated.
         """
@@ -126,7 +127,12 @@ class OutcomeQueries(Ledger):
         if not done and not others and not advancing:
             return 0
         count = 0
-        with self._tx() as conn:
+        # Without a schedule to advance, every statement stands alone (each is guarded by its
+        # claim's token, so one applied before a lost connection finds nothing the second
+        # time): autocommitted, a batch costs its statements' round trips only, not a BEGIN
+        # (psycopg sends one) and a COMMIT besides. A schedule's advance reads and writes
+        # under its row lock: a transaction.
+        with self._tx() if advancing else self._statements() as conn:
             # Successes, the bulk of any batch: one statement for all of them, whatever claims
             # they came from (those that returned a value in statements of their own, as few
             # as their size allows).

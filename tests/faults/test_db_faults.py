@@ -83,14 +83,11 @@ def test_ambiguous_commit(
     fault: Fault,
     times: int,
 ) -> None:
-    # The claim (status='running', autocommitted: its UPDATE is its commit; on PostgreSQL one
-    # UPDATE … RETURNING inside a SELECT, committed at its Sync) or the record (status='done')
-    # transaction loses its connection at its commit: "reply" after the server committed,
-    # "commit" before it could.
-    if status == "running":
-        proxy.break_statement(updates_status(status), fault=fault, times=times)
-    else:
-        proxy.break_commit(updates_status(status), fault=fault, times=times)
+    # The claim (status='running') or the record (status='done') loses its connection at its
+    # commit: "reply" after the server committed, "commit" before it could. Both are
+    # autocommitted (the UPDATE is its own commit; on PostgreSQL committed at its Sync, the
+    # claim's UPDATE … RETURNING inside a SELECT), so the statement is what breaks.
+    proxy.break_statement(updates_status(status), fault=fault, times=times)
     cfg = make_settings(redis_url, proxy.url, tmp_path, handler_timeout_s=1.0, lease_grace_s=0.5)
     running = start_listener(cfg)
     keys = ledger.create_many(
