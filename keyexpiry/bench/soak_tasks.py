@@ -71,7 +71,11 @@ class Soak:
                 "i": i,
                 "attempt": ctx.attempt,
                 "pid": pid,
-                "t_ms": ctx.started_at_ms,
+                # This host's clock, as the end's and the faults' are: the start judged against
+                # a SIGSTOP must not come from another clock (the listener's extrapolation of
+                # Redis's, kept as `clock_ms`), which once put starts 7 ms after their end.
+                "t_ms": int(time.time() * 1000),
+                "clock_ms": ctx.started_at_ms,
                 "due_ms": ctx.due_at_ms,
             }
         )
