@@ -24,14 +24,16 @@ def new(key: str, due: int = NOW, schedule: tuple[float, ...] | None = None) -> 
 
 
 def updates(store: Store) -> list[str]:
-    """The UPDATE statements the store sends from now on."""
+    """The UPDATE statements the store sends from now on (on its pool, and on its pool of
+    autocommitted statements where it has one: outcomes go there)."""
     sent: list[str] = []
 
-    @event.listens_for(store.engine, "before_cursor_execute")
     def capture(_c: Any, _cur: Any, statement: str, _p: Any, _ctx: Any, _many: bool) -> None:
         if statement.lstrip().upper().startswith("UPDATE"):
             sent.append(statement)
 
+    for engine in {store.engine, store._autocommit or store.engine}:
+        event.listen(engine, "before_cursor_execute", capture)
     return sent
 
 
