@@ -203,6 +203,23 @@ def test_ledger_connections_wait_at_most_5_s_on_a_row_lock(mysql_url: str) -> No
     assert tuple(got) == (5, 50)
 
 
+def test_ledger_connections_to_mariadb_share_one_tls_context(mysql_url: str) -> None:
+    # Without TLS options PyMySQL builds a context per connection ("preferred" TLS), loading
+    # the system's CA bundle each time: 23 ms of CPU a connection here, against 0.5 ms shared.
+    store = Store(make_engine(mysql_url))
+    pools = [store.engine, store._autocommit]
+    raws = [engine.raw_connection() for engine in pools if engine is not None]
+    raws.append(store.engine.raw_connection())  # a second one of the same pool
+    try:
+        contexts = {id(raw.driver_connection.ctx) for raw in raws}  # type: ignore[union-attr]
+        assert len(raws) == 3 and len(contexts) == 1
+        assert all(raw.driver_connection.ssl for raw in raws)  # type: ignore[union-attr]
+    finally:
+        for raw in raws:
+            raw.close()
+        store.engine.dispose()
+
+
 def test_postgres_connections_wait_at_most_5_s_on_a_row_lock(pg_url: str) -> None:
     # PostgreSQL's default is to wait for ever; a lower setting of the server's is kept.
     engine = make_engine(pg_url)

@@ -4,6 +4,8 @@ says (`error_code`, `not_serving`)."""
 
 from __future__ import annotations
 
+import ssl
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -91,6 +93,8 @@ def make_engine(url: str) -> Engine:
 
         event.listen(engine, "connect", _session_setup(engine.dialect.name))
         event.listen(engine, "handle_error", _not_serving_is_a_disconnect)
+        if _shares_tls(engine):
+            event.listen(engine, "do_connect", _share_tls_context)
         return engine
     except ImportError as exc:
         extra = " (pip install 'keyexpiry[postgres]')" if "psycopg" in str(exc) else ""
@@ -159,6 +163,55 @@ def _changed_rows_only(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[s
     cparams["client_flag"] = int(cparams.get("client_flag", 0)) & ~_CLIENT_FOUND_ROWS
 
 
+_shared_tls: ssl.SSLContext | None = None
+_shared_tls_lock = threading.Lock()
+_pymysql_class: Any = None
+
+
+def _pymysql_connection_class() -> Any:
+    """PyMySQL's Connection with one TLS context for every connection made without TLS options.
+
+    Given no TLS options, PyMySQL (2.x) tries TLS if the server offers it ("preferred") and
+    builds a context for that on every connection, loading the system's CA bundle each time:
+    20-260 ms of CPU per connection measured here, paid by every connection a pool opens and by
+    all of them at once after a database restart, and a step in the listener's RSS each time
+    (the soak's, issue 42). That context verifies nothing (no CA given, no hostname check) and
+    is never changed after it is built, so one serves them all. A connection given TLS options
+    builds its own, as PyMySQL does.
+    """
+    global _pymysql_class
+    if _pymysql_class is None:
+        from pymysql.connections import Connection
+
+        class SharedTlsContextConnection(Connection):  # type: ignore[misc]
+            def _create_ssl_ctx(self, sslp: Any) -> Any:
+                global _shared_tls
+                if sslp:
+                    return super()._create_ssl_ctx(sslp)
+                with _shared_tls_lock:
+                    if _shared_tls is None:
+                        _shared_tls = super()._create_ssl_ctx({})
+                    return _shared_tls
+
+        _pymysql_class = SharedTlsContextConnection
+    return _pymysql_class
+
+
+def _share_tls_context(_dialect: Any, _record: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
+    # Registered last among `do_connect` listeners: the connection made here is the one used.
+    return _pymysql_connection_class()(*cargs, **cparams)
+
+
+def _shares_tls(engine: Engine) -> bool:
+    """Whether connections of `engine` can share one TLS context (PyMySQL with the method it
+    overrides: a private one, so checked rather than trusted)."""
+    if engine.dialect.driver != "pymysql":
+        return False
+    from pymysql.connections import Connection
+
+    return callable(getattr(Connection, "_create_ssl_ctx", None))
+
+
 def autocommit_engine(engine: Engine) -> Engine | None:
     """A second pool on `engine`'s MySQL/MariaDB or PostgreSQL database whose connections stay in
     autocommit, for statements that are a whole transaction by themselves (creating one task).
@@ -189,6 +242,8 @@ def autocommit_engine(engine: Engine) -> Engine | None:
         event.listen(auto, "connect", _short_lock_waits_pg)
     else:
         event.listen(auto, "do_connect", _changed_rows_only)
+        if _shares_tls(auto):
+            event.listen(auto, "do_connect", _share_tls_context)
         event.listen(auto, "connect", _short_lock_waits)
         event.listen(auto, "connect", _read_committed)
     event.listen(auto, "handle_error", _not_serving_is_a_disconnect)
