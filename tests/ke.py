@@ -142,10 +142,11 @@ def wait_status(client: Client, key: str, status: TaskStatus, timeout_s: float =
             return True
         return False
 
+    # wait_until's own interval: 5 ms at first, then backing off to 25 ms, so a long wait does
+    # not load the ledger the listener under test writes to.
     wait_until(
         ready,
         timeout_s,
-        interval_s=0.01,
         message=f"{key} never became {status}: {client.store.get(key)}",
     )
     return found[-1]

@@ -242,6 +242,15 @@ class PostgresServer(_ServerProcess):
         """
         self._execute(f'DROP DATABASE IF EXISTS "{_check_db_name(name)}" WITH (FORCE)')
 
+    def end_sessions(self, name: str) -> None:
+        """Terminate the sessions that use database ``name`` (their transactions roll back)."""
+        with self.admin_connection() as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = %s AND pid <> pg_backend_pid()",
+                (_check_db_name(name),),
+            )
+
     def is_primary(self) -> bool:
         """True if the server accepts writes (is not in recovery as a standby)."""
         with self.admin_connection() as conn:
