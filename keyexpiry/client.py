@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -43,7 +44,7 @@ from keyexpiry.ledger.if_exists import Did, IfExists, Rule, Scheduled
 from keyexpiry.ledger.pauses import PausesRead
 from keyexpiry.ledger.rows import MalformedRows, task_status
 from keyexpiry.ledger.store import Store, TaskRow, TaskStatus
-from keyexpiry.ledger.transactions import Tx, after_commit, check_same_database, connection_of
+from keyexpiry.ledger.transactions import Tx, after_commit, check_same_database, joined
 from keyexpiry.redis.permits import held_counts
 from keyexpiry.registry import Registry, TaskSpec
 from keyexpiry.runtime import Runtime
@@ -198,11 +199,11 @@ class Client(ScheduleCalls):
         tasks, rules, replace = list(batch.new.values()), batch.rules, IfExists.REPLACE
         order = [rules.get(t.key, replace) for t in tasks] if rules or tx is not None else []
         if tx is not None:
-            conn = self._join(tx)
-            done = self.store.schedule_in(conn, tasks, order, now_ms)
-            changed = [t.key for t, d in zip(tasks, done, strict=True) if d[0] is not Did.KEPT]
-            if changed:
-                after_commit(conn, self._sync_keys, created=changed)
+            with self._joined(tx) as conn:
+                done = self.store.schedule_in(conn, tasks, order, now_ms)
+                changed = [t.key for t, d in zip(tasks, done, strict=True) if d[0] is not Did.KEPT]
+                if changed:
+                    after_commit(conn, self._sync_keys, created=changed)
             return scheduled(tasks, done)
         # Row first: a row without a key is repaired by reconciliation; a key without a row
         # would never run.
@@ -243,10 +244,10 @@ class Client(ScheduleCalls):
         """Cancel those of `keys` that are pending; return the ones cancelled (with `tx`, in
         the caller's transaction, as in `cancel`)."""
         if tx is not None:
-            conn = self._join(tx)
-            cancelled = self.store.cancel_in(conn, keys, self._now_ms())
-            if cancelled:
-                after_commit(conn, self._sync_keys, cancelled=cancelled)
+            with self._joined(tx) as conn:
+                cancelled = self.store.cancel_in(conn, keys, self._now_ms())
+                if cancelled:
+                    after_commit(conn, self._sync_keys, cancelled=cancelled)
             return cancelled
         cancelled = self.store.cancel(keys, self._now_ms())
         self._delete_keys(cancelled)
@@ -464,14 +465,16 @@ class Client(ScheduleCalls):
             logger.debug("pause recorded, but the wake message was not sent: {}", exc)
 
     # --- internals ----------------------------------------------------------------------------
-    def _join(self, tx: Tx) -> Connection:
-        """The connection of the caller's transaction, checked to be on the ledger's database."""
-        conn = connection_of(tx)
-        if conn.engine is not self.store.engine:
-            if self._ledger_identity is None:
-                self._ledger_identity = self.store.identity()
-            check_same_database(conn, self.store.engine, self._ledger_identity)
-        return conn
+    @contextmanager
+    def _joined(self, tx: Tx) -> Iterator[Connection]:
+        """The connection of the caller's transaction (or of Django's, `transactions.joined`),
+        checked to be on the ledger's database."""
+        with joined(tx) as conn:
+            if conn.engine is not self.store.engine:
+                if self._ledger_identity is None:
+                    self._ledger_identity = self.store.identity()
+                check_same_database(conn, self.store.engine, self._ledger_identity)
+            yield conn
 
     def _sync_keys(self, created: set[str], cancelled: set[str]) -> None:
         """After the caller's commit: arm the keys whose rows are pending now, at their due

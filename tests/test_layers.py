@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runner",),  # 6: claim, run, record
     ("ops", "web"),  # 7: what operators watch (a listener only through ops.observed)
     ("listener",),  # 8: hear, route, repair
-    ("__init__", "__main__", "cli", "demo", "bench"),  # 9: entry points and the benchmark
+    ("__init__", "__main__", "cli", "demo", "bench", "django"),  # 9: entry points, the benchmark
 )  # fmt: skip
 """Each entry names a top-level module or a sub-package of `keyexpiry`."""
 

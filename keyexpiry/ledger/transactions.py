@@ -16,6 +16,11 @@ its due time, a row no longer pending has its key deleted after a cancel), not w
 written: a SAVEPOINT rolled back in between undid some of it, and a listener may have claimed a
 row already. If the process dies between the commit and the sync, the rows are pending without
 keys: the listener's periodic check of overdue rows arms them (README, "Inside your transaction").
+
+Another framework's transaction handle (Django's connection) is joined through an adapter it
+registers (`add_tx_adapter`): the adapter yields a Connection on the framework's own DB-API
+connection, and says who commits it (`commit_owned_by`), so the keys are synced by the
+framework's after-commit hook rather than by the `commit` listener here.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -44,6 +50,41 @@ Tx: TypeAlias = "Connection | Session"
 
 Sync = Callable[[set[str], set[str]], None]
 """What runs after the commit: `sync(created_keys, cancelled_keys)`."""
+
+TxAdapter = Callable[[object], "AbstractContextManager[Connection] | None"]
+"""Turns a `tx=` value of another framework into a context yielding a Connection in its
+transaction, or says None: not its kind."""
+
+OnCommit = Callable[[Callable[[], None]], None]
+"""A framework's "run this after the commit" (Django's `transaction.on_commit`)."""
+
+_adapters: list[TxAdapter] = []
+_owned: weakref.WeakKeyDictionary[Connection, OnCommit] = weakref.WeakKeyDictionary()
+
+
+def add_tx_adapter(adapter: TxAdapter) -> None:
+    """Let `tx=` accept what `adapter` recognises (once per adapter, however often called)."""
+    if adapter not in _adapters:
+        _adapters.append(adapter)
+
+
+def commit_owned_by(conn: Connection, on_commit: OnCommit) -> None:
+    """Say that `conn`'s transaction is committed by its framework: `after_commit` hands its
+    sync to `on_commit` instead of listening for the commit itself."""
+    _owned[conn] = on_commit
+
+
+@contextmanager
+def joined(tx: object) -> Iterator[Connection]:
+    """The Connection of the caller's transaction `tx`, for the time of one call: through an
+    adapter that recognises it, else `connection_of`."""
+    for adapt in list(_adapters):
+        held = adapt(tx)
+        if held is not None:
+            with held as conn:
+                yield conn
+            return
+    yield connection_of(tx)
 
 
 def connection_of(tx: object) -> Connection:
@@ -117,6 +158,13 @@ def database_identity(conn: Connection) -> tuple[str, ...]:
     return ident
 
 
+def remember_identity(engine: Engine, identity: tuple[str, ...]) -> None:
+    """Say which database `engine`'s connections are on, asked on a connection of its own (for
+    an engine whose connections are a framework's, mid-transaction)."""
+    with _identities_lock:
+        _identities[engine] = identity
+
+
 def check_same_database(conn: Connection, ledger: Engine, ledger_identity: tuple[str, ...]) -> None:
     """Raise ArgumentError unless `conn` is on the ledger's database."""
     if conn.engine is ledger:
@@ -153,8 +201,14 @@ def after_commit(
 ) -> None:
     """Run `sync(created, cancelled)` once `conn`'s transaction commits; forget it on a rollback.
 
-    Keys of one transaction are gathered: `sync` runs once per client and commit.
+    Keys of one transaction are gathered: `sync` runs once per client and commit (per call
+    when the transaction is a framework's, `commit_owned_by`).
     """
+    on_commit = _owned.get(conn)
+    if on_commit is not None:
+        created_keys, cancelled_keys = set(created), set(cancelled)
+        on_commit(lambda: _run_sync(sync, created_keys, cancelled_keys))
+        return
     with _lock:
         joined = _joined.setdefault(conn, _Joined())
         joined.created.setdefault(sync, set()).update(created)

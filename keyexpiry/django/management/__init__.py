@@ -1,0 +1,1 @@
+"""`manage.py keyexpiry …`: the keyexpiry command with settings.py's settings."""
