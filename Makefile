@@ -21,7 +21,7 @@ BENCH_ARGS ?= --runs 3
 
 SOAK_MINUTES ?= 10
 
-.PHONY: demo listen web dist test test-fast lint format servers reliability screenshots bench-peers soak clean
+.PHONY: demo listen web dist test test-fast lint format servers reliability screenshots bench-peers bench-runnow soak clean
 
 $(RUN_STAMP): pyproject.toml
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
@@ -96,6 +96,11 @@ $(PEERS_STAMP): pyproject.toml
 ## bench-peers: steady on keyexpiry, huey and arq side by side (BENCH_ARGS, default --runs 3)
 bench-peers: $(PEERS_STAMP) servers
 	$(PEERS_VENV)/bin/keyexpiry bench --scenario steady $(BENCH_ARGS)
+
+## bench-runnow: run-now tasks on keyexpiry beside Celery, Dramatiq, RQ, arq and huey (BENCH_ARGS;
+## at full size one run takes about half an hour here: `make bench-runnow BENCH_ARGS="--runs 1"`)
+bench-runnow: $(PEERS_STAMP) servers
+	$(PEERS_VENV)/bin/keyexpiry bench --scenario run-now $(BENCH_ARGS)
 
 ## soak: SOAK_MINUTES (default 10) of 500 tasks/s on Sentinel + MariaDB with a fault every minute;
 ## the verdict, history and plots land in bench-results/soak/<time>/

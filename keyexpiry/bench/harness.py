@@ -97,6 +97,10 @@ def machine() -> dict[str, Any]:
         "hiredis": _version("hiredis"),
         "huey": _version("huey"),
         "arq": _version("arq"),
+        "celery": _version("celery"),
+        "kombu": _version("kombu"),
+        "dramatiq": _version("dramatiq"),
+        "rq": _version("rq"),
     }
 
 

@@ -16,12 +16,13 @@ from keyexpiry.bench import ledger as ledger_bench
 from keyexpiry.bench import listeners as listeners_bench
 from keyexpiry.bench import memory as memory_bench
 from keyexpiry.bench import peers as peer_bench
+from keyexpiry.bench import runnow as runnow_bench
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
 SCENARIOS = (
     "steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio", "cluster",
-    "memory", "flow", "soak",
+    "memory", "flow", "run-now", "soak",
 )  # fmt: skip
 DEFAULT_SCENARIOS = SCENARIOS[:6]
 """What `keyexpiry bench` runs unnamed: the others start servers of their own (a cluster) or fill
@@ -77,7 +78,8 @@ def run(
 ) -> dict[str, Any]:
     """Run `names` and return (and write to `out`) every figure.
 
-    With `peers` (and the `peers` extra installed), steady also runs on huey and arq.
+    With `peers` (and the `peers` extra installed), steady also runs on huey and arq, and
+    run-now on Celery, Dramatiq, RQ, arq and huey (those installed).
     """
     size = 0.2 if quick else 1.0
     report: dict[str, Any] = {
@@ -127,6 +129,10 @@ def _scenario(
     elif name == "flow":
         res = flow_bench.run(
             srv, backend, runs=runs, quick=quick, say=lambda m: print(m, flush=True)
+        )
+    elif name == "run-now":
+        res = runnow_bench.run(
+            srv, backend, runs=runs, quick=quick, peers=peers, say=lambda m: print(m, flush=True)
         )
     elif name == "listeners":
         res = listeners_bench.run(
@@ -218,6 +224,20 @@ def _scenario(
                     {**kw, "listeners": 1, "payload": scenarios.PAYLOAD_1KB},
                 ),
             )
+        if name == "steady":
+            # The same wave with the driver looking every key up the millisecond it expires
+            # (`driver_tick_ms` 0, default 4): what the tick saves in CPU and costs in lateness.
+            res["driver=on tick=0"] = _runs(
+                "driver=on tick=0",
+                runs,
+                functools.partial(
+                    _fresh_wave,
+                    srv,
+                    backend,
+                    True,
+                    {**kw, "listeners": 1, "listener_env": {"KEYEXPIRY_DRIVER_TICK_MS": "0"}},
+                ),
+            )
         if name == "steady" and peers:
             res.update(_peer_runs(srv, runs, kw))
     return res
@@ -229,7 +249,13 @@ COLUMNS = (
     "late_p99_ms",
     "late_max_ms",
     "fired",
+    "sent_per_s",
     "tasks_per_s",
+    "drain_per_s",
+    "enqueue_s",
+    "cpu_s_per_10k",
+    "worker_rss_mb",
+    "worker_rss_sum_mb",
     "listener_cpu_s",
     "listener_rss_mb",
     "rate_vs_one",
@@ -250,6 +276,11 @@ COLUMNS = (
     "max_at_once",
     "time_vs_unlimited",
     "cpu_vs_unlimited",
+    "enqueue_us",
+    "enqueue_cpu_us",
+    "p50_vs_native",
+    "p99_vs_native",
+    "enqueue_cpu_vs_native",
 )
 """The figures in the table, in order; a column no row has a value for is left out."""
 

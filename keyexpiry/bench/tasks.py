@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import tracemalloc
 from typing import TextIO
 
@@ -45,6 +46,20 @@ def _note_start() -> None:
             _note_memory(_runs)
 
 
+def _note_sent(i: int, sent_ms: float, start_s: float) -> None:
+    """Append `i sent_ms start_ms end_ms pid` to $KEYEXPIRY_BENCH_STARTS (the run-now scenario's
+    line, as its peers' handlers write it: `keyexpiry.bench.peer_runnow`)."""
+    global _out
+    path = os.environ.get("KEYEXPIRY_BENCH_STARTS")
+    if not path:
+        return
+    with _lock:
+        if _out is None:
+            _out = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the process
+        end_ms = time.time() * 1000
+        _out.write(f"{i} {sent_ms:.3f} {start_s * 1000:.3f} {end_ms:.3f} {os.getpid()}\n")
+
+
 def _note_memory(runs: int) -> None:
     """One JSON line: the bytes tracemalloc sees allocated after `runs` runs and, from the second
     checkpoint on, the source lines whose allocations grew most since the first.
@@ -79,6 +94,12 @@ class Bench:
     def noop(self, i: int) -> None:
         """Note the start time, nothing else."""
         _note_start()
+
+    @exposed
+    def run_now(self, i: int, sent_ms: float) -> None:
+        """A run-now task (`ttl_ms=0`): note its start, host time, beside `sent_ms`, the host
+        time its creator took just before `create`."""
+        _note_sent(i, sent_ms, time.time())
 
     @exposed
     def other(self, i: int) -> None:

@@ -20,7 +20,7 @@ def bench(
         None,
         "--scenario",
         help="steady, sparse, burst, throughput, create, listeners (the default: all six); "
-        "ledger, aio, cluster, memory, flow, soak (only when named).",
+        "ledger, aio, cluster, memory, flow, run-now, soak (only when named).",
     ),
     minutes: float = typer.Option(
         10.0, "--minutes", min=0.5, help="soak: minutes of load and faults (--quick: 2)."
@@ -39,7 +39,8 @@ def bench(
     peers: bool = typer.Option(
         True,
         "--peers/--no-peers",
-        help="Also run steady on huey and arq (needs the `peers` extra; skipped with a note).",
+        help="Also run steady on huey and arq, run-now on Celery, Dramatiq, RQ, arq and huey "
+        "(needs the `peers` extra; skipped with a note).",
     ),
 ) -> None:
     """Benchmark against real servers started for the run (redis-server, and mariadbd or
