@@ -11,6 +11,7 @@ from typing import Any
 
 from keyexpiry.bench import aio as aio_bench
 from keyexpiry.bench import cluster as cluster_bench
+from keyexpiry.bench import django_bench as django_scenario
 from keyexpiry.bench import flow as flow_bench
 from keyexpiry.bench import ledger as ledger_bench
 from keyexpiry.bench import listeners as listeners_bench
@@ -22,7 +23,7 @@ from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
 SCENARIOS = (
     "steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio", "cluster",
-    "memory", "flow", "run-now", "soak",
+    "memory", "flow", "run-now", "django", "soak",
 )  # fmt: skip
 DEFAULT_SCENARIOS = SCENARIOS[:6]
 """What `keyexpiry bench` runs unnamed: the others start servers of their own (a cluster) or fill
@@ -128,6 +129,10 @@ def _scenario(
         )
     elif name == "flow":
         res = flow_bench.run(
+            srv, backend, runs=runs, quick=quick, say=lambda m: print(m, flush=True)
+        )
+    elif name == "django":
+        res = django_scenario.run(
             srv, backend, runs=runs, quick=quick, say=lambda m: print(m, flush=True)
         )
     elif name == "run-now":

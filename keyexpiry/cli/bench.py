@@ -20,7 +20,7 @@ def bench(
         None,
         "--scenario",
         help="steady, sparse, burst, throughput, create, listeners (the default: all six); "
-        "ledger, aio, cluster, memory, flow, run-now, soak (only when named).",
+        "ledger, aio, cluster, memory, flow, run-now, django, soak (only when named).",
     ),
     minutes: float = typer.Option(
         10.0, "--minutes", min=0.5, help="soak: minutes of load and faults (--quick: 2)."
