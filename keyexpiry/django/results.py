@@ -4,8 +4,9 @@ Statuses: pending → READY (a retry waiting too, with its errors listed), runni
 done → SUCCESSFUL, dead and cancelled → FAILED (a cancelled run's one error is
 `keyexpiry.errors.TaskCancelled`). `errors` come from the row's `last_error`, which keeps the
 tracebacks of the current streak of failures, newest first (`ledger/table.py`); Django lists them
-oldest first. The ledger keeps which listener holds a running row, not which ran each past
-attempt: `worker_ids` has one entry per attempt, the listener's id where the row says it.
+oldest first. The ledger keeps which listener made the latest claim (its token stays on the row after the
+outcome), not which ran each earlier attempt: `worker_ids` has one entry per attempt, the latest
+one the listener's id.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def result_of(task: Task[Any, Any], row: TaskRow, backend: str) -> TaskResult[An
             )
         )
     workers = [UNKNOWN_WORKER] * row.attempts
-    if row.status is TaskStatus.RUNNING and row.claimed_by and workers:
+    if row.claimed_by and workers:
+        # The claim's token stays on the row after its outcome (done, dead, or a retry
+        # waiting), until the next claim: the latest attempt's listener, whatever the status.
         workers[-1] = row.claimed_by.rsplit(":", 1)[0]
     result: TaskResult[Any] = TaskResult(
         task=task,

@@ -78,6 +78,8 @@ def test_runs_results_errors_and_signals(listener: Running) -> None:
         assert first.enqueued_at and first.started_at and first.finished_at
         assert first.enqueued_at <= first.started_at <= first.finished_at
         assert first.last_attempted_at == first.started_at and len(first.worker_ids) == 1
+        # The latest attempt's listener, kept after the run ended.
+        assert first.worker_ids[0] == listener.listener.owner
         assert closing.return_value == "closed"
         assert Order.objects.get(id=order.id).status == "closed"
         assert context.return_value == {"id": context.id, "attempt": 1, "tag": "t1"}
