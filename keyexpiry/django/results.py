@@ -4,9 +4,9 @@ Statuses: pending → READY (a retry waiting too, with its errors listed), runni
 done → SUCCESSFUL, dead and cancelled → FAILED (a cancelled run's one error is
 `keyexpiry.errors.TaskCancelled`). `errors` come from the row's `last_error`, which keeps the
 tracebacks of the current streak of failures, newest first (`ledger/table.py`); Django lists them
-oldest first. The ledger keeps which listener made the latest claim (its token stays on the row after the
-outcome), not which ran each earlier attempt: `worker_ids` has one entry per attempt, the latest
-one the listener's id.
+oldest first. The ledger keeps which listener made the latest claim (its token stays on the row
+after the outcome), not which ran each earlier attempt: `worker_ids` has one entry per attempt,
+the latest one the listener's id.
 """
 
 from __future__ import annotations
