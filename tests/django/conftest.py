@@ -63,6 +63,34 @@ def point_default_at(conf: dict[str, Any], alias: str = "default") -> None:
     reset()
 
 
+@pytest.fixture(autouse=True)
+def _registry_kept_apart() -> Iterator[None]:
+    """Whatever a test here registers in the default registry (its task functions, found by
+    `discover`; a `@keyed` schedule) is gone after it: the other tests of this process start
+    listeners on the default registry, and a schedule left there was declared in their
+    ledgers (a CI run found `tests__django__shop__tasks@heartbeat` rows in 22 other tests)."""
+    from keyexpiry.django import functions
+    from keyexpiry.registry import default_registry
+
+    kept = (
+        dict(default_registry._specs),
+        dict(default_registry._classes),
+        dict(default_registry._declared),
+    )
+    try:
+        yield
+    finally:
+        default_registry._specs, default_registry._classes, default_registry._declared = (
+            kept[0],
+            kept[1],
+            kept[2],
+        )
+        # Which task modules the registry holds is remembered beside it: forget that too, so
+        # the next test's `discover` registers them again.
+        with functions._lock:
+            functions._registered.pop(id(default_registry), None)
+
+
 @pytest.fixture
 def django_project(
     db_url: str, redis_url: str, tmp_path: Path, django_db_blocker: Any

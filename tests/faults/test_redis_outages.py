@@ -16,6 +16,7 @@ from loguru import logger
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import HAProxy, wait_until
 from keyexpiry.errors import RedisUnavailableError
+from keyexpiry.keys import expired_channel
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.ops.doctor import run_checks
 from keyexpiry.redis.server import REPLICA_PROBLEM
@@ -292,10 +293,24 @@ def test_a_task_key_lost_as_its_task_falls_due_during_the_claim_is_rearmed(
     dispatcher = Dispatcher(
         dataclasses.replace(client.rt, clock=_FallsDueDuringClaim(row.due_at_ms), owner="test")
     )
+    events = client.redis.pubsub()  # type: ignore[no-untyped-call]
+    events.subscribe(expired_channel(client.rt.db))
+    wait_until(lambda: events.get_message(timeout=0.1) is None, 5)  # the subscribe reply
+    heard: list[bytes] = []
+
+    def announced() -> bool:
+        # Set again: due by the clock that re-arms it, it is armed already expired and
+        # announced at once (a listener's subscription hears it); else it waits with a TTL.
+        while (msg := events.get_message(timeout=0.01)) is not None:
+            if msg["type"] == "message":
+                heard.append(msg["data"])
+        return key.encode() in heard or int(client.redis.pttl(key)) > 0
+
     dispatcher.start()
     try:
         dispatcher.submit([key])
-        wait_until(lambda: int(client.redis.pttl(key)) > 0, 5, message="the key was not set again")
+        wait_until(announced, 5, message="the key was not set again")
     finally:
         dispatcher.stop(5)
+        events.close()
     assert client.store.get(key).status is TaskStatus.PENDING  # type: ignore[union-attr]

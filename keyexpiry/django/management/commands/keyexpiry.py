@@ -46,7 +46,7 @@ def run(args: list[str], *, prog_name: str = "manage.py keyexpiry") -> int:
     from keyexpiry.registry import default_registry
 
     try:
-        os.environ.update(as_environ())
+        environ = as_environ()
         if args[:1] == ["listen"] or args[:1] == ["web"]:
             discover(default_registry, keyexpiry_settings().tasks)
     except KeyExpiryError as exc:
@@ -54,8 +54,19 @@ def run(args: list[str], *, prog_name: str = "manage.py keyexpiry") -> int:
         return 1
     from keyexpiry.cli import app
 
+    # The CLI reads its settings from KEYEXPIRY_* variables: set for the command only, and put
+    # back after it, so that a `call_command` leaves no ledger URL (and its password) behind in
+    # the process for whatever runs next.
+    before = {name: os.environ.get(name) for name in environ}
+    os.environ.update(environ)
     try:
         app(args=args, prog_name=prog_name, standalone_mode=True)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0
