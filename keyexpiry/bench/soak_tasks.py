@@ -71,11 +71,12 @@ class Soak:
                 "i": i,
                 "attempt": ctx.attempt,
                 "pid": pid,
-                # This host's clock, as the end's and the faults' are: the start judged against
-                # a SIGSTOP must not come from another clock (the listener's extrapolation of
-                # Redis's, kept as `clock_ms`), which once put starts 7 ms after their end.
-                "t_ms": int(time.time() * 1000),
-                "clock_ms": ctx.started_at_ms,
+                # When the listener began the run (before this line: a SIGSTOP in between must
+                # not move the start past the fault), on the shared clock, whose readings are
+                # now retaken when slow (a stalled one put starts 7 ms after their end);
+                # `host_ms`, this line's own time on this host, for diagnosis.
+                "t_ms": ctx.started_at_ms,
+                "host_ms": int(time.time() * 1000),
                 "due_ms": ctx.due_at_ms,
             }
         )

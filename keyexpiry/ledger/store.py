@@ -42,6 +42,7 @@ from keyexpiry.ledger.migrations import (
     add_missing_indexes,
     drop_invalid_indexes,
     drop_retired_indexes,
+    missing_indexes,
 )
 from keyexpiry.ledger.outcomes import OutcomeQueries
 from keyexpiry.ledger.pauses import PauseQueries
@@ -128,13 +129,20 @@ class Store(
                         logger.info("ledger upgraded: added column {}", name)
                 max_rows = None if all_indexes else BUILD_ON_START_MAX_ROWS
                 if self.postgres:
-                    # Concurrently, outside a transaction: a plain build blocks every write.
-                    with self._schema_lock, self._statements() as conn:
-                        if all_indexes:
-                            drop_invalid_indexes(conn)
-                        built, deferred = add_missing_indexes(
-                            conn, max_rows=max_rows, concurrently=True
-                        )
+                    with self._schema_lock, self._tx() as conn:
+                        lacking = any(missing_indexes(conn, t) for t in metadata.sorted_tables)
+                    built: list[str] = []
+                    deferred: list[str] = []
+                    if lacking or all_indexes:
+                        # Concurrently, outside a transaction: a plain build blocks every write.
+                        # (Only then on the autocommit pool: a start that builds nothing
+                        # leaves no connection there, to go stale before its first use.)
+                        with self._schema_lock, self._statements() as conn:
+                            if all_indexes:
+                                drop_invalid_indexes(conn)
+                            built, deferred = add_missing_indexes(
+                                conn, max_rows=max_rows, concurrently=True
+                            )
                 else:
                     with self._schema_lock, self._tx() as conn:
                         built, deferred = add_missing_indexes(conn, max_rows=max_rows)

@@ -338,8 +338,21 @@ class _ServerProcess:
         self.start()
 
     def pause(self) -> None:
-        """Freeze the server with SIGSTOP: its sockets stay open but nothing answers."""
+        """Freeze the server with SIGSTOP: its sockets stay open but nothing answers. Returns
+        once the process is stopped: the signal takes effect asynchronously, and a query sent
+        right after it was answered by a thread not stopped yet (a CI failure)."""
         self._signal(signal.SIGSTOP)
+        if self._proc is not None:
+            wait_until(lambda: self._stopped(), 2, message="the server did not stop")
+
+    def _stopped(self) -> bool:
+        """Whether the process is stopped (state `T` in /proc), or gone."""
+        assert self._proc is not None
+        try:
+            stat = Path(f"/proc/{self._proc.pid}/stat").read_text()
+        except OSError:
+            return True
+        return stat.rpartition(")")[2].split()[0] in ("T", "t", "Z", "X")
 
     def resume(self) -> None:
         """Undo :meth:`pause` with SIGCONT (harmless if the server is not paused)."""
