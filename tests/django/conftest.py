@@ -9,6 +9,7 @@ the fixtures' databases instead, so they unblock it (`django_db_blocker`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,13 @@ import pymysql
 import pytest
 
 pymysql.install_as_MySQLdb()  # Django's MySQL backend on the driver keyexpiry already installs
+# ... and its submodules under the same names: imported afresh as `MySQLdb.err` and the like,
+# they would load second copies and rebind `pymysql.err` to one, whose OperationalError is not
+# the one PyMySQL raises (every later `pytest.raises(pymysql.err.OperationalError)` in this
+# process missed it: a CI failure of two server tests).
+for _name, _module in list(sys.modules.items()):
+    if _name.startswith("pymysql."):
+        sys.modules.setdefault("MySQLdb." + _name.removeprefix("pymysql."), _module)
 
 import django  # noqa: E402
 from django.conf import settings  # noqa: E402
