@@ -22,12 +22,18 @@ def place(http: Client, amount: str = "19.90") -> int:
     return int(response.json()["id"])
 
 
+def order_tasks_run(within: dt.timedelta) -> list[str]:
+    """`run_due`'s keys but the daily report's, whose 06:00 (Berlin) may fall in the window,
+    depending on when the test runs."""
+    return [key for key in run_due(within=within) if key != "orders__tasks@daily_report"]
+
+
 def test_an_unpaid_order_is_closed_after_15_minutes(client: Client) -> None:
     with listener():
         order_id = place(client)
-        assert run_due(within=dt.timedelta(minutes=14)) == []  # not yet
+        assert order_tasks_run(dt.timedelta(minutes=14)) == []  # not yet
         assert Order.objects.get(id=order_id).status == "unpaid"
-        [key] = run_due(within=dt.timedelta(minutes=15))
+        [key] = order_tasks_run(dt.timedelta(minutes=15))
         assert key == f"orders__tasks@close_unpaid@{order_id}"
     assert Order.objects.get(id=order_id).status == "closed"
     assert keyexpiry().get("orders__tasks.close_unpaid", order_id).result == "closed"  # type: ignore[union-attr]
@@ -37,7 +43,7 @@ def test_paying_cancels_the_timeout_in_the_same_transaction(client: Client) -> N
     with listener():
         order_id = place(client)
         assert client.post(f"/orders/{order_id}/pay").status_code == 200
-        assert run_due(within=dt.timedelta(hours=1)) == []  # nothing left to run
+        assert order_tasks_run(dt.timedelta(hours=1)) == []  # nothing left to run
     assert Order.objects.get(id=order_id).status == "paid"
     assert keyexpiry().list(tag=f"order:{order_id}")[0].status == "cancelled"
 
