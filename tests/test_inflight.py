@@ -142,3 +142,20 @@ def _abandoned(inflight: InFlight) -> ClaimedRun:
     inflight.started(run)
     inflight.take_late(monotonic_s() + 1)
     return run
+
+
+def test_a_saturated_listener_claims_half_a_queue_at_a_time_not_each_freed_slot() -> None:
+    """With the flight full, one finished run frees one slot: a claim for it alone would be a
+    round trip per task (15 keys a claim on average in a 30k wave). No room is offered until
+    the queue ahead of the workers has half drained; an idle listener has all of it at once."""
+    inflight = InFlight(concurrency=8, claim_batch=100)
+    limit = inflight.claim_limit()  # 8 workers + 8 ahead before any run time is known
+    assert inflight.claim_room() == limit
+    inflight.count = limit - 1  # one run left the full flight
+    assert inflight.claim_room() == 0
+    inflight.count = limit - 3
+    assert inflight.claim_room() == 0
+    inflight.count = limit - 4  # half of the 8 queued ahead ran
+    assert inflight.claim_room() == 4
+    inflight.count = 0
+    assert inflight.claim_room() == limit

@@ -1,11 +1,21 @@
 """Statements over lists of keys or ids, compiled once per list size (`Prepared`): the sizes
 (`list_size`), the padded lists (`padded_lists`) and the bind parameter names of their elements.
-Shared by the claims, the outcomes and the `if_exists` creates."""
+Shared by the claims, the outcomes and the `if_exists` creates. On PostgreSQL the hot ones bind
+each list as one array instead (`array_param`).
+
+psycopg parses a query of more than 50 parameters or 4 KB again at every execution (its cache
+takes none bigger), which a statement of a few hundred named elements always is; one array
+parameter keeps the statement short, and one statement serves every size."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from sqlalchemy import ColumnElement, bindparam, cast, literal_column
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.sql.elements import Grouping
+from sqlalchemy.types import TypeEngine
 
 X = TypeVar("X")
 
@@ -37,3 +47,21 @@ def padded_lists(values: Sequence[X]) -> Iterator[list[X]]:
         part = list(values[start : start + MAX_LIST])
         part += part[-1:] * (list_size(len(part)) - len(part))
         yield part
+
+
+def array_param(name: str, item_type: TypeEngine[Any]) -> ColumnElement[Any]:
+    """`(CAST(%(name)s AS item_type[]))`: a list bound as one PostgreSQL array (in parentheses:
+    `CAST(…)[i]` is no SQL, `(CAST(…))[i]` is)."""
+    return Grouping(cast(bindparam(name), ARRAY(item_type)))
+
+
+def unindexed(column: Any) -> Any:
+    """`column || ''` or `column + 0`: the same value, in an expression no index matches.
+
+    PostgreSQL's planner chooses among indexes by its statistics, which a wave of new rows has
+    not reached yet: it took a `status`-led index for "a handful of pending rows" and walked
+    thousands. A hot statement whose rows are found by id or key checks their status (and due
+    time) this way, leaving the planner that one index path."""
+    if column.type.python_type is str:
+        return column.op("||")(literal_column("''"))
+    return column.op("+")(literal_column("0"))

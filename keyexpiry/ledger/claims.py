@@ -16,22 +16,43 @@ from typing import Any
 
 from pymysql.constants import COMMAND
 from sqlalchemy import (
+    VARCHAR,
     ClauseElement,
+    ColumnElement,
     Connection,
     Select,
     Update,
+    any_,
     bindparam,
+    func,
     select,
     update,
 )
 
 from keyexpiry.ledger.base import Ledger, Prepared, driver_error, retried_once
-from keyexpiry.ledger.batches import KEY_PARAMS, MAX_LIST, list_size, padded_lists
+from keyexpiry.ledger.batches import (
+    KEY_PARAMS,
+    MAX_LIST,
+    array_param,
+    list_size,
+    padded_lists,
+    unindexed,
+)
 from keyexpiry.ledger.engine import not_serving
-from keyexpiry.ledger.outcomes import record_done
+from keyexpiry.ledger.outcomes import record_done, record_done_by_arrays
 from keyexpiry.ledger.reading import CLAIM_SETS, CLAIM_SKIPS, claimed_row_from_db
 from keyexpiry.ledger.rows import TaskRow, TaskStatus
 from keyexpiry.ledger.table import T
+
+_CLAIM_VALUES: dict[str, Any] = {
+    "status": TaskStatus.RUNNING.value,
+    "claimed_by": bindparam("token"),
+    "lease_until_ms": bindparam("lease"),
+    "attempts": T.c.attempts + 1,
+    "started_at_ms": bindparam("now"),
+    "finished_at_ms": None,
+    "updated_at_ms": bindparam("now"),
+}
 
 
 def _claim_update(size: int) -> Update:
@@ -42,15 +63,7 @@ def _claim_update(size: int) -> Update:
             T.c.status == TaskStatus.PENDING.value,
             T.c.due_at_ms <= bindparam("now"),
         )
-        .values(
-            status=TaskStatus.RUNNING.value,
-            claimed_by=bindparam("token"),
-            lease_until_ms=bindparam("lease"),
-            attempts=T.c.attempts + 1,
-            started_at_ms=bindparam("now"),
-            finished_at_ms=None,
-            updated_at_ms=bindparam("now"),
-        )
+        .values(**_CLAIM_VALUES)
     )
 
 
@@ -67,19 +80,62 @@ def _claimed_rows(size: int) -> Select[Any]:
     )
 
 
-def _claim_returning(size: int) -> ClauseElement:
+def _ids_of_keys() -> ColumnElement[Any]:
+    """`ARRAY(SELECT (SELECT id … WHERE task_key = k) FROM unnest(%(keys)s) k)`: the ids of the
+    rows of the array parameter `keys`, each looked up in the unique key index by itself,
+    computed once before the statement reads the table (an InitPlan).
+
+    PostgreSQL's planner picks an IN list's index from its statistics. Fed a wave, or the backlog
+    after downtime, that the statistics have not seen yet, it estimated a handful of pending due
+    rows and walked the `(status, due_at_ms, …)` index: every claim of 256 keys read every due
+    row (29,744 removed by its filter at a 30k wave), and a claim's cost grew with the backlog
+    it was there to drain. A lookup by one key is the unique index whatever the statistics say.
+    """
+    keys = func.unnest(_KEYS).table_valued("k").render_derived().alias("keys")
+    by_key = T.alias("by_key")
+    id_of_key = select(by_key.c.id).where(by_key.c.task_key == keys.c.k).scalar_subquery()
+    return func.array(select(id_of_key).select_from(keys).scalar_subquery())
+
+
+_KEYS = array_param("keys", VARCHAR())
+"""PostgreSQL's claim binds its keys as one array: one statement for every batch size, short
+enough for psycopg to keep it parsed (it parses a query of more than 50 parameters or 4 KB again
+at every execution) and prepared on the server after its fifth use."""
+
+
+def _claim_returning() -> ClauseElement:
     """PostgreSQL's claim in one statement (one round trip, autocommitted): the UPDATE returns
     the rows it took, and the rows of `keys` a claim under the same token took before (a repeat
     after a lost reply) come from the statement's snapshot, taken before the UPDATE, so no row
-    is read twice.
+    is read twice. Rows are found by id from their keys (`_ids_of_keys`), their status and due
+    time only checked.
 
     Not `SELECT … FOR UPDATE SKIP LOCKED`: the listener claims the keys its events name (and the
     due rows a scan found), not whatever rows are next, and a row another listener is claiming
     right now is one this listener must not run anyway; the UPDATE's row lock is enough, and
     its WHERE is checked again on the row version the other claim committed.
     """
-    claimed = _claim_update(size).returning(*_READ_BACK).cte("claimed")
-    return select(*claimed.c).union_all(_claimed_rows(size))
+    claimed = (
+        update(T)
+        .where(
+            T.c.id == any_(_ids_of_keys()),
+            unindexed(T.c.status) == TaskStatus.PENDING.value,
+            unindexed(T.c.due_at_ms) <= bindparam("now"),
+        )
+        .values(**_CLAIM_VALUES)
+        .returning(*_READ_BACK)
+        .cte("claimed")
+    )
+    # A claim repeated passes the lost one's lease: its rows hold exactly that one (no run has
+    # them yet to extend it), and the `(status, lease_until_ms)` index finds them among a
+    # millisecond's rows, not by looking every key up again.
+    before = select(*_READ_BACK).where(
+        T.c.status == TaskStatus.RUNNING.value,
+        T.c.lease_until_ms == bindparam("lease"),
+        T.c.claimed_by == bindparam("token"),
+        T.c.task_key == any_(_KEYS),
+    )
+    return select(*claimed.c).union_all(before)
 
 
 _PYMYSQL_READ = ("_next_seq_id", "_read_query_result", "_result")
@@ -121,16 +177,18 @@ class ClaimQueries(Ledger):
         (outcomes gathered for 50 ms are not bound by the claim batch), instead of on first use
         in a busy second (a big size took milliseconds, with every due task waiting); returns
         how many were compiled. Successes with results compile on first use."""
+        if self.postgres:
+            # One statement each, for every batch size: their lists are bound as arrays.
+            self._prepare(_claim_returning)
+            self._prepare(record_done_by_arrays, False)
+            return 2
         every = sorted({list_size(n) for n in range(1, MAX_LIST + 1)})
-        claims = [size for size in every if size <= list_size(min(max_batch, MAX_LIST))]
-        for size in claims:
-            if self.postgres:
-                self._prepare(_claim_returning, size)
-                continue
-            self._prepare(_claim_update, size)
-            self._prepare(_claimed_rows, size)
         for size in every:
             self._prepare(record_done, size, False)
+        claims = [size for size in every if size <= list_size(min(max_batch, MAX_LIST))]
+        for size in claims:
+            self._prepare(_claim_update, size)
+            self._prepare(_claimed_rows, size)
         return 2 * len(claims) + len(every)
 
     @retried_once
@@ -149,9 +207,9 @@ class ClaimQueries(Ledger):
         """
         if not keys:
             return []
-        parts = list(padded_lists(keys))
         if self.postgres:
-            return self._claim_returning(parts, now_ms, lease_until_ms, token)
+            return self._claim_returning(keys, now_ms, lease_until_ms, token)
+        parts = list(padded_lists(keys))
         # Autocommitted statements: a row a create resets between the UPDATE and the SELECT is
         # not read back; it runs at its new due time, and not for the old one as well.
         with self._statements() as conn:
@@ -271,19 +329,12 @@ class ClaimQueries(Ledger):
         return list(found.values())
 
     def _claim_returning(
-        self, parts: list[list[str]], now_ms: int, lease_until_ms: int, token: str
+        self, keys: Sequence[str], now_ms: int, lease_until_ms: int, token: str
     ) -> list[TaskRow]:
-        found: dict[int, Any] = {}
+        values = {"keys": list(keys), "now": now_ms, "token": token, "lease": lease_until_ms}
         with self._statements() as conn:
-            for part in parts:
-                values = {
-                    **dict(zip(KEY_PARAMS, part, strict=False)),
-                    "now": now_ms,
-                    "token": token,
-                    "lease": lease_until_ms,
-                }
-                for row in self._prepare(_claim_returning, len(part)).run(conn, values):
-                    found[row.id] = row  # by id: a key given twice, in two lists, is one run
+            # By id: a key given twice is one run.
+            found = {row.id: row for row in self._prepare(_claim_returning).run(conn, values)}
         prefix = self.key_prefix
         return [
             claimed_row_from_db(

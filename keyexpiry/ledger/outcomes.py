@@ -9,11 +9,30 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import ClauseElement, Connection, Text, bindparam, case, select, update
+from sqlalchemy import (
+    VARCHAR,
+    BigInteger,
+    ClauseElement,
+    Connection,
+    Text,
+    any_,
+    bindparam,
+    case,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.ledger.base import Ledger, retried_once
-from keyexpiry.ledger.batches import ID_PARAMS, RESULT_PARAMS, TOKEN_PARAMS, padded_lists
+from keyexpiry.ledger.batches import (
+    ID_PARAMS,
+    RESULT_PARAMS,
+    TOKEN_PARAMS,
+    array_param,
+    padded_lists,
+    unindexed,
+)
 from keyexpiry.ledger.recurring import readable_schedule
 from keyexpiry.ledger.rows import Outcome, TaskStatus
 from keyexpiry.ledger.table import S, T, storable_text, with_earlier_errors
@@ -22,6 +41,18 @@ from keyexpiry.schedules.rules import next_after_run
 RESULTS_MAX_BYTES = 1_000_000
 """The results one statement writes, together, at most (a single bigger one goes alone): below
 the smallest `max_allowed_packet` a server is likely to have, whatever the batch size."""
+
+
+def _done_values(result: Any) -> dict[str, Any]:
+    """What a recorded success writes: `result` is NULL, or an expression of the values bound."""
+    return {
+        "status": TaskStatus.DONE.value,
+        "finished_at_ms": bindparam("now"),
+        "last_error": None,
+        "lease_until_ms": None,
+        "updated_at_ms": bindparam("now"),
+        "result": result,
+    }
 
 
 def record_done(size: int, with_results: bool = False) -> ClauseElement:
@@ -52,14 +83,27 @@ def record_done(size: int, with_results: bool = False) -> ClauseElement:
             T.c.status == TaskStatus.RUNNING.value,
             T.c.claimed_by == token_of_id,
         )
-        .values(
-            status=TaskStatus.DONE.value,
-            finished_at_ms=bindparam("now"),
-            last_error=None,
-            lease_until_ms=None,
-            updated_at_ms=bindparam("now"),
-            result=result,
+        .values(**_done_values(result))
+    )
+
+
+_IDS = array_param("ids", BigInteger())
+
+
+def record_done_by_arrays(with_results: bool) -> ClauseElement:
+    """PostgreSQL's `record_done`: the ids, their tokens (and results) bound as three arrays,
+    one statement for every batch size. Each row is found by id (the primary key, its status
+    only checked: `unindexed`) and matched to its token by its place in the id array."""
+    at = func.array_position(_IDS, T.c.id)
+    result: Any = array_param("results", Text())[at] if with_results else None
+    return (
+        update(T)
+        .where(
+            T.c.id == any_(_IDS),
+            unindexed(T.c.status) == TaskStatus.RUNNING.value,
+            T.c.claimed_by == array_param("tokens", VARCHAR())[at],
         )
+        .values(**_done_values(result))
     )
 
 
@@ -139,11 +183,11 @@ class OutcomeQueries(Ledger):
             plain = [o for o in done if o.result is None]
             valued = [o for o in done if o.result is not None]
             for group in distinct_ids(plain):
-                for part in padded_lists(group):
+                for part in self._parts(group):
                     count += self._record_done_part(conn, part, now_ms, False)
             for group in distinct_ids(valued):
                 for chunk in by_result_bytes(group):
-                    for part in padded_lists(chunk):
+                    for part in self._parts(chunk):
                         count += self._record_done_part(conn, part, now_ms, True)
             if others:
                 count += conn.execute(
@@ -226,9 +270,26 @@ class OutcomeQueries(Ledger):
             )
         return int(matched)
 
+    def _parts(self, outcomes: list[Outcome]) -> Iterator[list[Outcome]]:
+        """The statements' lists: padded, or on PostgreSQL all of them (one array each)."""
+        if self.postgres:
+            yield outcomes
+        else:
+            yield from padded_lists(outcomes)
+
     def _record_done_part(
         self, conn: Connection, part: list[Outcome], now_ms: int, with_results: bool
     ) -> int:
+        if self.postgres:
+            arrays: dict[str, Any] = {
+                "now": now_ms,
+                "ids": [o.task_id for o in part],
+                "tokens": [o.token for o in part],
+            }
+            if with_results:
+                arrays["results"] = [o.result for o in part]
+            by_arrays = self._prepare(record_done_by_arrays, with_results)
+            return int(by_arrays.run(conn, arrays).rowcount)
         values: dict[str, Any] = {"now": now_ms}
         values.update(zip(ID_PARAMS, [o.task_id for o in part], strict=False))
         values.update(zip(TOKEN_PARAMS, [o.token for o in part], strict=False))

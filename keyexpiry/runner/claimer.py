@@ -120,9 +120,9 @@ class Claimer:
                     continue
                 with inflight.cond:
                     self.claiming = True
-                    while inflight.count >= inflight.claim_limit() and not self.stop.is_set():
+                    while (room := inflight.claim_room()) <= 0 and not self.stop.is_set():
                         inflight.cond.wait(0.1)
-                    room = min(inflight.claim_limit() - inflight.count, self.settings.claim_batch)
+                    room = min(room, self.settings.claim_batch)
                 if self.stop.is_set():
                     self.claiming = False
                     break
