@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -39,6 +40,9 @@ from keyexpiry.threads import REPEAT_WINDOW_S, REPEATS, ThreadErrors
 from keyexpiry.web import create_app
 from tests import sample_tasks
 from tests.ke import Running, wait_status
+
+_NOW_MS = int(time.time() * 1000)
+"""When this module was loaded: a finish time within every retention."""
 
 StartListener = Callable[[Settings], Running]
 TOKEN = "s3cret-token-0123456789"
@@ -181,7 +185,8 @@ BAD_ROWS = [
     ),
     BadRow(
         "result-too-deep",
-        {"status": "done", "attempts": 1, "finished_at_ms": 1, "result": DEEP},
+        # Finished now, not in 1970: past its retention the listener's first prune deletes it.
+        {"status": "done", "attempts": 1, "finished_at_ms": _NOW_MS, "result": DEEP},
         ends="done",
         listed=("done",),
         reported=None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from sqlalchemy import insert
 from typer.testing import CliRunner
 
@@ -14,6 +15,7 @@ from keyexpiry.bench.servers import wait_until
 from keyexpiry.cli import app
 from keyexpiry.ledger.retention import BATCH_ROWS, cutoffs, prune
 from keyexpiry.ledger.store import T, TaskStatus
+from keyexpiry.listener import maintenance
 from tests import sample_tasks
 from tests.ke import Running, wait_status
 
@@ -79,6 +81,27 @@ def test_the_listener_prunes_what_it_finished(
     wait_until(lambda: client.store.get(done) is None, 10, message="the done row was kept")
     row = client.store.get(dead)
     assert row is not None and row.status is TaskStatus.DEAD  # retain_dead_s=0: forever
+
+
+def test_a_listener_works_off_a_backlog_of_finished_rows_round_after_round(
+    settings: Settings,
+    client: Client,
+    start_listener: StartListener,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More finished rows than one round may delete: the next round follows at the next check,
+    not `prune_every_s` later (one round a minute deleted fewer rows than a listener finishes at
+    170 tasks/s, and the ledger grew for as long as such a load lasted). The first round runs
+    at start: a listener back from downtime begins on the backlog at once."""
+    monkeypatch.setattr(maintenance, "_PRUNE_BATCHES", 1)  # rounds of 1,000 rows
+    now = client.clock.now_ms()
+    add_rows(client, "old-done", "done", now - 8 * DAY_MS, BATCH_ROWS * 3 + 200)
+    start_listener(settings.replace(prune_every_s=3600))
+    wait_until(
+        lambda: statuses(client).get("done", 0) == 0,
+        30,
+        message="an hour's prune interval held the backlog back after its first round",
+    )
 
 
 def test_keyexpiry_prune_command(client: Client, cli_env: dict[str, str]) -> None:

@@ -38,6 +38,10 @@ class Intake:
         self._queued: set[str] = set()  # keys in _incoming or _backlog
         self._first: collections.deque[str] = collections.deque()
         """Due tasks found in the ledger, taken before any event's key."""
+        self._stale: set[str] = set()
+        """Keys taken from the front lane while their event still waited further back: that
+        copy is skipped once when it comes up (claimed again, it would find the task running
+        or done, a claim and a lookup for nothing: a fifth of a 30k wave's keys)."""
         self._lock = threading.Lock()
         self.overflowed = False
         """Set when a key was dropped (the intake was full); the claimer clears it."""
@@ -95,14 +99,21 @@ class Intake:
                 break
         batch: list[str] = []
         with self._lock:
-            first = self._first
+            first, queued, stale = self._first, self._queued, self._stale
             while first and len(batch) < room:
-                batch.append(first.popleft())
+                key = first.popleft()
+                batch.append(key)
+                # Bounded: past it, a copy is claimed twice, as before (harmless, a moment).
+                if key in queued and len(stale) < self._max_queued:
+                    queued.discard(key)  # a sighting from now on queues it anew
+                    stale.add(key)
             while self._backlog and len(batch) < room:
                 key = self._backlog.popleft()
-                if key:  # not a wake-up
+                if key in stale:
+                    stale.discard(key)
+                elif key:  # not a wake-up
                     batch.append(key)
-                    self._queued.discard(key)
+                    queued.discard(key)
         return batch
 
     def requeue(self, keys: list[str]) -> None:
