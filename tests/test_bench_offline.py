@@ -125,3 +125,19 @@ def test_the_aio_scenario_runs_async_drivers_only_on_mariadb() -> None:
     natives = aio.variants("mariadb")[len(threads) :]
     assert natives == [f"native={d}" for d in aio.native_drivers("mariadb")]
     assert set(aio.native_drivers("mariadb")) <= {"aiomysql", "asyncmy"}
+
+
+def test_churns_verdict_compares_the_peak_after_warm_up_with_the_size_at_its_end() -> None:
+    from keyexpiry.bench.churn import verdict
+
+    grown = [{"s": 0, "bytes": 10}, {"s": 300, "bytes": 100}, {"s": 600, "bytes": 160}]
+    assert verdict(grown, minutes=15) == {
+        "warm_up_s": 300, "bytes_at_warm_up": 100, "bytes_peak_after": 160,
+        "bytes_at_end": 160, "peak_over_warm_up": 1.6, "ok": False,
+    }  # fmt: skip
+    # The growth before the warm-up's end (retention not deleting yet) does not count.
+    steady = [{"s": 0, "bytes": 10}, {"s": 60, "bytes": 90}, {"s": 120, "bytes": 100}]
+    assert verdict(steady, minutes=3) == {
+        "warm_up_s": 60, "bytes_at_warm_up": 90, "bytes_peak_after": 100,
+        "bytes_at_end": 100, "peak_over_warm_up": 1.11, "ok": True,
+    }  # fmt: skip

@@ -29,6 +29,7 @@ from keyexpiry import Client, Settings
 from keyexpiry.bench.cpuquota import CpuQuota
 from keyexpiry.bench.servers import MariaDBServer, PostgresServer, RedisServer, find_binary
 from keyexpiry.errors import ConfigError, EmbeddedServerError
+from keyexpiry.keys import expired_channel
 from keyexpiry.ledger.store import T, TaskStatus
 from keyexpiry.redis.embedded import redis_binary
 
@@ -327,9 +328,15 @@ class ListenerProcess(MeasuredProcess):
 
 
 def subscribers(client: Client) -> int:
-    """Subscribers of `expired`: on a cluster, the fewest any primary has."""
-    channel = "__keyevent@0__:expired"
+    """Subscribers of `expired` (of the client's database): on a cluster, the fewest any
+    primary has."""
     cluster = client.rt.cluster
+    db = (
+        0
+        if cluster is not None
+        else int(client.redis.connection_pool.connection_kwargs.get("db", 0))
+    )
+    channel = expired_channel(db)
     if cluster is None:
         return int(client.redis.pubsub_numsub(channel)[0][1])
     primaries = cluster.topology().primaries

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from keyexpiry.bench import aio as aio_bench
+from keyexpiry.bench import churn as churn_bench
 from keyexpiry.bench import cluster as cluster_bench
 from keyexpiry.bench import django_bench as django_scenario
 from keyexpiry.bench import flow as flow_bench
@@ -23,7 +24,7 @@ from keyexpiry.bench.harness import Servers, machine, median_of, servers
 
 SCENARIOS = (
     "steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio", "cluster",
-    "memory", "flow", "run-now", "django", "soak",
+    "memory", "flow", "run-now", "django", "churn", "soak",
 )  # fmt: skip
 DEFAULT_SCENARIOS = SCENARIOS[:6]
 """What `keyexpiry bench` runs unnamed: the others start servers of their own (a cluster) or fill
@@ -75,7 +76,14 @@ def _peer_runs(srv: Servers, runs: int, kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(
-    names: list[str], *, runs: int, backend: str, quick: bool, out: Path, peers: bool = True
+    names: list[str],
+    *,
+    runs: int,
+    backend: str,
+    quick: bool,
+    out: Path,
+    peers: bool = True,
+    minutes: float = 10.0,
 ) -> dict[str, Any]:
     """Run `names` and return (and write to `out`) every figure.
 
@@ -102,6 +110,10 @@ def run(
         for name in names:
             print(f"{name}:", flush=True)
             res: dict[str, Any] = {}
+            if name == "churn":  # every backend at once, side by side, for `minutes`
+                report["scenarios"][name] = churn_bench.run(srv, backends, minutes=minutes)
+                out.write_text(json.dumps(report, indent=2, default=str))
+                continue
             for i, one in enumerate(backends):
                 if len(backends) > 1:
                     print(f"  on {one}:", flush=True)
@@ -286,6 +298,9 @@ COLUMNS = (
     "p50_vs_native",
     "p99_vs_native",
     "enqueue_cpu_vs_native",
+    "bytes_at_warm_up",
+    "bytes_peak_after",
+    "peak_over_warm_up",
 )
 """The figures in the table, in order; a column no row has a value for is left out."""
 

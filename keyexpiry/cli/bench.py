@@ -20,10 +20,13 @@ def bench(
         None,
         "--scenario",
         help="steady, sparse, burst, throughput, create, listeners (the default: all six); "
-        "ledger, aio, cluster, memory, flow, run-now, django, soak (only when named).",
+        "ledger, aio, cluster, memory, flow, run-now, django, churn, soak (only when named).",
     ),
     minutes: float = typer.Option(
-        10.0, "--minutes", min=0.5, help="soak: minutes of load and faults (--quick: 2)."
+        10.0,
+        "--minutes",
+        min=0.5,
+        help="soak: minutes of load and faults (--quick: 2); churn: minutes of load.",
     ),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs per scenario and variant."),
     backend: str = typer.Option(
@@ -56,7 +59,7 @@ def bench(
         _soak(minutes, quick=quick, others=[n for n in names if n != "soak"])
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    run(names, runs=runs, backend=backend, quick=quick, out=out, peers=peers)
+    run(names, runs=runs, backend=backend, quick=quick, out=out, peers=peers, minutes=minutes)
     typer.echo(f"figures written to {out}")
 
 
