@@ -421,6 +421,10 @@ class PostgresServer(_ServerProcess):
             "wal_level=replica",
             "max_wal_senders=5",
             "hot_standby=on",
+            # The server's own account of a slow stretch (issue 41's stalls): each checkpoint,
+            # and each autovacuum and autoanalyze with what it did, in the log.
+            "log_checkpoints=on",
+            "log_autovacuum_min_duration=0",
         ):
             cmd.extend(["-c", setting])
         cmd.extend(self._args)
