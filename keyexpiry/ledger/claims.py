@@ -127,8 +127,9 @@ def _claim_returning() -> ClauseElement:
         .cte("claimed")
     )
     # A claim repeated passes the lost one's lease: its rows hold exactly that one (no run has
-    # them yet to extend it), and the `(status, lease_until_ms)` index finds them among a
-    # millisecond's rows, not by looking every key up again.
+    # them yet to extend it). Read through a `status`-led index: at worst every running row of
+    # the fleet (bounded by its concurrency, not by the backlog), at best, on `(status,
+    # lease_until_ms)`, a millisecond's; never every key looked up a second time.
     before = select(*_READ_BACK).where(
         T.c.status == TaskStatus.RUNNING.value,
         T.c.lease_until_ms == bindparam("lease"),
