@@ -149,6 +149,27 @@ def test_doctor_checks_every_node_and_fix_reaches_replicas(
         rt.close()
 
 
+def test_the_doctor_reaches_the_replicas_of_a_cluster_nothing_was_written_to_yet(
+    cluster_factory: Callable[..., LocalCluster], sqlite_url: str, tmp_path: Path
+) -> None:
+    # CLUSTER SLOTS leaves out replicas that have replicated nothing yet (every replica of a
+    # new cluster): a check of the nodes it names alone said "ok" with none of them checked.
+    cluster = cluster_factory()
+    replicas = {n.address for n in cluster.replicas()}
+    named = cluster.primaries()[0].command("CLUSTER", "SLOTS")
+    assert not replicas & {f"{r[0].decode()}:{r[1]}" for e in named for r in e[3:]}
+    for replica in cluster.replicas():
+        replica.command("CONFIG", "SET", "notify-keyspace-events", "")
+    rt = Runtime.open(make_settings(cluster.url(), sqlite_url, tmp_path))
+    try:
+        assert rt.cluster is not None and replicas <= set(rt.cluster.topology().nodes)
+        checks = {c.name: c for c in run_checks(rt)}
+        assert checks["notifications"].status == "fail"
+        assert all(r in checks["notifications"].detail for r in replicas)
+    finally:
+        rt.close()
+
+
 def test_a_primary_without_notifications_refuses_to_start_with_its_address(
     cluster_url: str, sqlite_url: str, tmp_path: Path, redis_cluster: LocalCluster
 ) -> None:

@@ -121,7 +121,8 @@ class Topology:
     slots: dict[str, tuple[tuple[int, int], ...]]
     """Slot ranges of each primary that serves any."""
     nodes: tuple[str, ...]
-    """Every node CLUSTER SLOTS names (primaries, then their replicas)."""
+    """Every node: CLUSTER SLOTS's (primaries, then their replicas), then the replicas only
+    CLUSTER NODES names (`read_topology`)."""
 
     @property
     def primaries(self) -> list[str]:
@@ -147,8 +148,19 @@ class Topology:
         )
 
 
+_NOT_A_MEMBER = frozenset({"fail", "noaddr", "handshake"})
+"""CLUSTER NODES flags of a node the cluster itself does not count on now."""
+
+
 def read_topology(client: redis.Redis) -> Topology:
-    """CLUSTER SLOTS of the node `client` talks to, as a Topology."""
+    """CLUSTER SLOTS of the node `client` talks to, as a Topology, with every replica CLUSTER
+    NODES names.
+
+    CLUSTER SLOTS leaves out a replica that has not replicated a byte yet (Redis 7: replication
+    offset 0), as every replica of a new or idle cluster is: read from it alone, the nodes'
+    checks (`doctor`, a listener's start) never reached such a replica, and it would be
+    promoted later without the notifications it was meant to get.
+    """
     table = cast(list[Any], client.execute_command("CLUSTER SLOTS"))  # type: ignore[no-untyped-call]
     slots: dict[str, list[tuple[int, int]]] = {}
     nodes: list[str] = []
@@ -159,7 +171,23 @@ def read_topology(client: redis.Redis) -> Topology:
         for node in (primary, *replicas):
             if _address(node) not in nodes:
                 nodes.append(_address(node))
+    nodes += [a for a in _replicas_named(client) if a not in nodes]
     return Topology({a: tuple(sorted(r)) for a, r in slots.items()}, tuple(nodes))
+
+
+def _replicas_named(client: redis.Redis) -> list[str]:
+    """Replicas CLUSTER NODES names, sorted, without those the cluster counts as failed or
+    not yet joined; none when the answer is not the table redis-py parses it into."""
+    table = client.execute_command("CLUSTER NODES")  # type: ignore[no-untyped-call]
+    if not isinstance(table, dict):
+        return []
+    found = []
+    for address, info in table.items():
+        flags = set(str(info.get("flags", "")).split(",")) if isinstance(info, dict) else set()
+        host, _, port = str(address).rpartition(":")
+        if "slave" in flags and not flags & _NOT_A_MEMBER and host and port.isdigit():
+            found.append(f"{host}:{int(port)}")
+    return sorted(found)
 
 
 def _address(node: Any) -> str:
