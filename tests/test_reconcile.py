@@ -4,9 +4,11 @@ later are checked afterwards in paced pages, and a key Redis lost among those is
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
+import redis
 
 from keyexpiry import Client, Listener, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
@@ -89,6 +91,34 @@ def test_a_full_pass_rearms_lost_keys_due_soon_and_later(
         row = client.store.get(key)
         assert row is not None
         assert client.redis.pexpiretime(key) == row.due_at_ms
+
+
+def test_a_page_whose_ttls_come_back_late_is_not_taken_for_lost_keys(
+    settings: Settings, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A loaded machine stalled a page's PTTL round trip past the 1 s tolerance: every key of
+    # the page then looked a second short, and all 1,000 were re-armed and counted as lost.
+    far = _far(client, 1200)
+    client.redis.delete(far[300])
+    execute = redis.client.Pipeline.execute
+    stalled: list[int] = []
+
+    def slow(self: redis.client.Pipeline, *args: Any, **kw: Any) -> Any:
+        if self.command_stack and self.command_stack[0][0][0] == "PTTL":
+            stalled.append(len(self.command_stack))
+            time.sleep(1.5)  # the stall itself, not a wait for something
+        return execute(self, *args, **kw)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", slow)
+    rt = Runtime.open(settings)
+    try:
+        report = Reconciler.of(rt).run()
+    finally:
+        rt.close()
+    assert stalled, "no page's TTLs were read"
+    assert (report.checked, report.rearmed) == (1200, 1)
+    row = client.store.get(far[300])
+    assert row is not None and client.redis.pexpiretime(far[300]) == row.due_at_ms
 
 
 def test_a_reconciliation_asked_for_during_the_walk_walks_again_after_it(

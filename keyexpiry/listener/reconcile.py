@@ -337,9 +337,16 @@ class Reconciler:
             pipe = self.redis.pipeline(transaction=False)
             for row in future:
                 pipe.pttl(row.key)
-            for row, pttl in zip(future, pipe.execute(), strict=True):
-                want_ms = row.due_at_ms - now_ms
-                if pttl < 0 or abs(int(pttl) - want_ms) > TTL_TOLERANCE_MS:
+            # A TTL is read at some instant between these two: a stall of the process or of the
+            # round trip (a page of 1,000 on a loaded machine) must not make every key of the
+            # page look wrong, and get re-armed and counted as lost.
+            sent_ms = self.clock.now_ms()
+            ttls = pipe.execute()
+            back_ms = self.clock.now_ms()
+            for row, pttl in zip(future, ttls, strict=True):
+                shortest_ms = row.due_at_ms - back_ms - TTL_TOLERANCE_MS
+                longest_ms = row.due_at_ms - sent_ms + TTL_TOLERANCE_MS
+                if pttl < 0 or not shortest_ms <= int(pttl) <= longest_ms:
                     to_arm.append(row)
         if overdue:
             if self.submit is not None:
