@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
+
 from keyexpiry import Client, TaskRequest
 from keyexpiry.bench.harness import (
     ListenerProcess,
@@ -198,6 +200,23 @@ def _bare_round_trips(client: Client) -> Iterator[Callable[[], None]]:
         raw.close()
 
 
+def _server_cpu_s(pid: int) -> float:
+    """CPU seconds of a server process and its children (PostgreSQL serves each connection
+    from a process of its own; MariaDB and Redis from threads of one)."""
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def _ledger_pid(srv: Servers, backend: str) -> int | None:
+    server = {"mariadb": srv.mariadb, "postgres": srv.postgres}.get(backend)
+    return None if server is None else server.pid
+
+
 def create_rates(
     srv: Servers, backend: str, *, single: int, bulk: int, payload: Any = None
 ) -> dict[str, Any]:
@@ -209,6 +228,11 @@ def create_rates(
     bare round trips (`_bare_round_trips`): `floor_per_s` is what this machine allowed, and
     `single_vs_floor` (the median of the blocks' ratios) is the figure the machine's noise
     moves least. `payload`: what every task carries (`create(..., payload=)`).
+
+    Where a one-at-a-time create's time goes, in µs a create over the timed blocks (`single_*_us`):
+    `client_cpu` (this process: keyexpiry, SQLAlchemy, the driver, redis-py), `ledger_cpu` and
+    `redis_cpu` (the servers' processes), and `waiting` (the wall time none of them account for:
+    the loopback, the scheduler's hand-overs between processes, a WAL or redo write's wait).
     """
     redis_url, db_url = srv.fresh(backend)
     with Client(settings_for(redis_url, db_url)) as client:
@@ -218,13 +242,25 @@ def create_rates(
         cold_rate = COLD / (time.perf_counter() - start)
         single_s = floor_s = 0.0
         ratios = []
+        ledger_pid = _ledger_pid(srv, backend)
+        # SQLite's work is this process's: no ledger column for it.
+        cpu = dict.fromkeys(("client_cpu", "ledger_cpu", "redis_cpu"), 0.0)
+        if ledger_pid is None:
+            del cpu["ledger_cpu"]
         with _bare_round_trips(client) as bare:
             for first in range(0, single, BLOCK):
                 count = min(BLOCK, single - first)
+                ledger_cpu = _server_cpu_s(ledger_pid) if ledger_pid else 0.0
+                redis_cpu = _server_cpu_s(srv.redis.pid)
+                client_cpu = time.process_time()
                 start = time.perf_counter()
                 for i in range(first, first + count):
                     client.create("Bench.other", i, ttl_s=86_400, payload=payload)
                 took_s = time.perf_counter() - start
+                cpu["client_cpu"] += time.process_time() - client_cpu
+                cpu["redis_cpu"] += _server_cpu_s(srv.redis.pid) - redis_cpu
+                if ledger_pid:
+                    cpu["ledger_cpu"] += _server_cpu_s(ledger_pid) - ledger_cpu
                 start = time.perf_counter()
                 for _ in range(count):
                     bare()
@@ -247,6 +283,9 @@ def create_rates(
         "single_cold_per_s": round(cold_rate),
         "floor_per_s": round(single / floor_s),
         "single_vs_floor": round(statistics.median(ratios), 3),
+        "single_wall_us": round(single_s / single * 1e6),
+        **{f"single_{name}_us": round(s / single * 1e6) for name, s in cpu.items()},
+        "single_waiting_us": round(max(0.0, single_s - sum(cpu.values())) / single * 1e6),
         "bulk_per_s": round(bulk_rate),
         "redis_bytes_per_task": round(per_task, 1),
         "pending": pending,

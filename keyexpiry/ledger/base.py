@@ -158,6 +158,7 @@ class Ledger:
         )
         self._literal_upsert: LiteralUpsert | None = None
         self._array_upsert: str | None = None
+        self._scalar_upsert: str | None = None
         self._autocommit = autocommit_engine(engine) if pymysql or self.postgres else None
         self._url = mask_url(engine.url.render_as_string(hide_password=True))
         self._schema_lock = threading.Lock()

@@ -57,6 +57,8 @@ from keyexpiry.ledger.upsert import (
     PIPELINED_STATEMENT_BYTES,
     array_upsert_params,
     array_upsert_sql,
+    scalar_upsert_params,
+    scalar_upsert_sql,
 )
 
 __all__ = [
@@ -279,14 +281,17 @@ class Store(
         # a transaction, 5,000 tasks a statement. A statement may not touch one row twice ("ON
         # CONFLICT DO UPDATE command cannot affect row a second time"): a key given again goes
         # in a later statement, so the later create wins, as on the other engines.
-        if self._array_upsert is None:
-            self._array_upsert = array_upsert_sql()
-        sql = self._array_upsert
         if len(tasks) == 1 and self._autocommit is not None:
             # On the DBAPI connection itself: SQLAlchemy's Connection around one statement
             # cost a single create more than its round trip.
-            rows = self._autocommitted_rows(sql, array_upsert_params(tasks, now_ms))
+            if self._scalar_upsert is None:
+                self._scalar_upsert = scalar_upsert_sql()
+            params = scalar_upsert_params(tasks[0], now_ms)
+            rows = self._autocommitted_rows(self._scalar_upsert, params)
             return [(Did.CREATED if rows[0][1] else Did.REPLACED, tasks[0].due_at_ms)]
+        if self._array_upsert is None:
+            self._array_upsert = array_upsert_sql()
+        sql = self._array_upsert
         inserted: dict[str, list[bool]] = {}
         with self._tx() as conn:
             for group in _distinct_keys(tasks):
