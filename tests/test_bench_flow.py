@@ -123,6 +123,7 @@ def test_the_table_shows_the_flow_figures() -> None:
     assert table[3].split() == ["flow", "concurrency=4", "n=400", "hold=50ms", "4", "3.9"]
 
 
+@pytest.mark.xdist_group("heavy")
 def test_a_quick_round_keeps_each_rule_on_two_listeners() -> None:
     from keyexpiry.bench.harness import servers
 

@@ -264,6 +264,7 @@ def _is_select(statement: str) -> bool:
 # Building the eight secondary indexes over 2 M rows takes most of a minute on 2 cores, and
 # twice that when other processes share them: the suite's 120 s would fail a plan that is fine.
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("heavy")
 def test_dashboard_and_metrics_reads_use_an_index(mysql_url: str) -> None:
     store = Store(make_engine(mysql_url))
     store.create_schema()
@@ -489,6 +490,7 @@ def _pg_problems(
 
 # The fill and the index builds take 15-20 s on 2 cores; as the MariaDB test, time to spare.
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("heavy")
 def test_postgres_reads_use_an_index(pg_url: str) -> None:
     store = Store(make_engine(pg_url))
     store.create_schema()
@@ -501,6 +503,7 @@ def test_postgres_reads_use_an_index(pg_url: str) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.xdist_group("heavy")
 def test_a_postgres_claim_finds_its_rows_by_key_whatever_the_backlog(pg_url: str) -> None:
     """30,000 tasks fell due at once (a wave, or the backlog after downtime) in a table whose
     statistics have not seen them: a claim of 256 of their keys must look those up, not walk

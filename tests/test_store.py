@@ -6,6 +6,7 @@ import itertools
 import multiprocessing
 import threading
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from sqlalchemy import event
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import StoreError
 from keyexpiry.ledger.scans import KEYS_START
-from keyexpiry.ledger.store import NewTask, Outcome, Store, TaskStatus, make_engine
+from keyexpiry.ledger.store import NewTask, Outcome, Store, TaskRow, TaskStatus, make_engine
 from keyexpiry.ledger.upsert import LiteralUpsert
 
 NOW = 1_700_000_000_000
@@ -268,6 +269,37 @@ def test_a_single_create_is_one_statement_and_no_commit_on_mariadb(mysql_url: st
     store.engine.dispose()
 
 
+def test_a_single_create_writes_the_row_a_bulk_create_writes(store: Store) -> None:
+    # A single create has a statement of its own on PostgreSQL (plain values, not arrays) and
+    # MySQL/MariaDB (autocommitted): every column, the created/replaced answer and what a
+    # reset keeps must be the bulk create's.
+    payload = '{"a": [1, "é"]}'
+    span = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+    def full(method: str) -> NewTask:
+        key = f"A@{method}@1@%C3%A9%40"  # its arguments: ("1", "é@")
+        return NewTask(key, "A", method, ("1", "é@"), NOW + 5, (0.5, 2.0), "order:7", payload, span)
+
+    one, many = full("one"), full("many")
+    assert [d.value for d, _ in store.upsert_pending([one], NOW)] == ["created"]
+    assert [d.value for d, _ in store.upsert_pending([many, new("A@m@other")], NOW)] == [
+        "created", "created",
+    ]  # fmt: skip
+    got = store.get_many([one.key, many.key])
+
+    def columns(row: TaskRow) -> dict[str, object]:
+        return {k: v for k, v in asdict(row).items() if k not in ("id", "key", "method")}
+
+    assert columns(got[one.key]) == columns(got[many.key])
+    # Again without a tag or payload: a reset, which keeps both and takes the new due time.
+    again = NewTask(one.key, "A", "one", ("1", "é@"), NOW + 9)
+    assert [d.value for d, _ in store.upsert_pending([again], NOW + 1)] == ["replaced"]
+    row = store.get(one.key)
+    assert row is not None
+    assert (row.due_at_ms, row.tag, row.payload) == (NOW + 9, "order:7", {"a": [1, "é"]})
+    assert (row.retry_schedule_s, row.traceparent) == (None, None)
+
+
 HOSTILE = ("it's", 'say "hi"', "back\\slash\\", "\\'; DROP TABLE x; --", "nul\x00byte",
            "line\nbreak\r\x1a", "100%", "%(task_key)s", "%s", "é@🎈", "")  # fmt: skip
 
@@ -403,16 +435,22 @@ def test_a_bulk_create_whose_connection_is_killed_between_statements_is_done_aga
 
     def kill_the_writer() -> None:
         with admin.connect() as conn:
-            # The one session of this database inside a transaction: the bulk create's.
-            ids = (
-                conn.exec_driver_sql(
+            # The one session of this database inside a transaction: the bulk create's. Its
+            # first statement was sent before this row was built (pipelined), but InnoDB lists
+            # the transaction only once the server began running it: often not yet.
+            ids: list[int] = []
+
+            def writing() -> bool:
+                ids[:] = conn.exec_driver_sql(
                     "SELECT trx_mysql_thread_id FROM information_schema.innodb_trx t "
                     "JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id "
                     "WHERE p.db = DATABASE() AND p.id <> CONNECTION_ID()"
-                )
-                .scalars()
-                .all()
-            )
+                ).scalars()
+                return len(ids) > 0
+
+            # Not every 5 ms: InnoDB refreshes the table it reads from (its `trx_i_s` cache)
+            # only when the last read is 0.1 s old, and a faster poll never saw it begin.
+            wait_until(writing, 10, 0.2, message="the bulk create's transaction never began")
             assert len(ids) == 1
             conn.exec_driver_sql(f"KILL CONNECTION {int(ids[0])}")
 

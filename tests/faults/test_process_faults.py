@@ -377,6 +377,7 @@ def test_a_create_chosen_as_a_deadlock_victim_is_run_again(
     assert row is not None and row.due_at_ms == 5_000
 
 
+@pytest.mark.xdist_group("heavy")
 def test_three_listeners_share_a_load_without_double_runs(
     client: Client, settings: Settings, start_listener: StartListener, verdict: Verdict
 ) -> None:
@@ -483,6 +484,7 @@ class RunsFile(Mapping[str, int]):
 
 # ~70 s on an idle 2-core machine (100k rows written, expired and run): the suite's 120 s
 # limit is too close when the machine is shared.
+@pytest.mark.xdist_group("heavy")
 @pytest.mark.timeout(300)
 def test_listener_stopped_while_100k_tasks_expire_catches_up(
     redis_factory: RedisFactory, mysql_url: str, tmp_path: Path, spawn: Spawned, verdict: Verdict

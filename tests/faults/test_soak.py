@@ -14,6 +14,7 @@ from tests.conftest import _require
 pytestmark = pytest.mark.faults
 
 
+@pytest.mark.xdist_group("heavy")
 def test_a_short_soak_loses_nothing_through_every_fault(tmp_path: Path) -> None:
     _require("haproxy")
     cfg = soak.SoakConfig(
