@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from keyexpiry import Settings
 from keyexpiry.bench.servers import wait_until
 from tests.conftest import _require
@@ -43,11 +45,22 @@ runpy.run_module("keyexpiry", run_name="__main__", alter_sys=True)
 
 
 def keyexpiry_command(*args: str, skew: str | None = None) -> list[str]:
-    """`python -m keyexpiry ARGS`, under faketime with the wall clock moved by `skew` if given."""
+    """`python -m keyexpiry ARGS`, under libfaketime with the wall clock moved by `skew` if
+    given.
+
+    The library is preloaded by `env`, not by the `faketime` wrapper: the wrapper makes a named
+    semaphore and shared memory per process id and removes them only when it exits, so every
+    one killed (a fault test kills process groups) left them behind in /dev/shm, and a later
+    wrapper given the same pid failed at once ("sem_open: File exists").
+    """
     if skew is None:
         return [sys.executable, "-m", "keyexpiry", *args]
-    faketime = _require("faketime")
-    return [faketime, "-m", "-f", skew, sys.executable, "-c", _SLEEP_ON_EVENT, *args]
+    _require("faketime")  # the package that brings the library
+    found = sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))
+    if not found:
+        pytest.fail("faketime is installed but libfaketimeMT.so.1 is not under /usr/lib/*/faketime")
+    preload = [f"LD_PRELOAD={found[0]}", f"FAKETIME={skew}"]
+    return ["env", *preload, sys.executable, "-c", _SLEEP_ON_EVENT, *args]
 
 
 def subprocess_env(settings: Settings, **extra: str) -> dict[str, str]:
@@ -90,8 +103,8 @@ class Spawned:
                 env=subprocess_env(settings, **env),
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                # faketime forks the listener and waits: signal the whole group, or the
-                # listener outlives the test and spins on its dead servers.
+                # A listener may start processes of its own: signal the whole group, or one
+                # outlives the test and spins on its dead servers.
                 start_new_session=True,
             )
         self.procs.append(proc)
@@ -102,7 +115,7 @@ class Spawned:
         for proc in self.procs:
             if proc.poll() is None:
                 signal_group(proc, signal.SIGTERM)
-                # faketime itself may exit first: wait for the whole group to be gone.
+                # The leader may exit first: wait for the whole group to be gone.
                 deadline = time.monotonic() + 15
                 while _group_alive(proc) and time.monotonic() < deadline:
                     time.sleep(0.05)
