@@ -170,6 +170,25 @@ def test_the_doctor_reaches_the_replicas_of_a_cluster_nothing_was_written_to_yet
         rt.close()
 
 
+def test_a_user_refused_cluster_nodes_still_reads_the_topology(
+    cluster_factory: Callable[..., LocalCluster], sqlite_url: str, tmp_path: Path
+) -> None:
+    # The replicas CLUSTER SLOTS omits come from CLUSTER NODES: an ACL that allows the one and
+    # not the other must cost those replicas' checks, not the listener.
+    cluster = cluster_factory()
+    for node in cluster.running_nodes():
+        node.command("ACL", "SETUSER", "slotsonly", "on", ">pw", "~*", "&*", "+@all",
+                     "-cluster|nodes")  # fmt: skip
+    url = cluster.url().replace("://", "://slotsonly:pw@", 1)
+    rt = Runtime.open(make_settings(url, sqlite_url, tmp_path))
+    try:
+        assert rt.cluster is not None
+        topology = rt.cluster.topology()
+        assert topology.primaries == sorted(n.address for n in cluster.primaries())
+    finally:
+        rt.close()
+
+
 def test_a_primary_without_notifications_refuses_to_start_with_its_address(
     cluster_url: str, sqlite_url: str, tmp_path: Path, redis_cluster: LocalCluster
 ) -> None:

@@ -177,8 +177,12 @@ def read_topology(client: redis.Redis) -> Topology:
 
 def _replicas_named(client: redis.Redis) -> list[str]:
     """Replicas CLUSTER NODES names, sorted, without those the cluster counts as failed or
-    not yet joined; none when the answer is not the table redis-py parses it into."""
-    table = client.execute_command("CLUSTER NODES")  # type: ignore[no-untyped-call]
+    not yet joined; none when the command is refused (an ACL that allows CLUSTER SLOTS alone
+    must not stop the listener) or the answer is not the table redis-py parses it into."""
+    try:
+        table = client.execute_command("CLUSTER NODES")  # type: ignore[no-untyped-call]
+    except redis.ResponseError:
+        return []
     if not isinstance(table, dict):
         return []
     found = []
