@@ -153,13 +153,16 @@ _NOT_A_MEMBER = frozenset({"fail", "noaddr", "handshake"})
 
 
 def read_topology(client: redis.Redis) -> Topology:
-    """CLUSTER SLOTS of the node `client` talks to, as a Topology, with every replica CLUSTER
+    """CLUSTER SLOTS of the node `client` talks to, as a Topology, with every other member CLUSTER
     NODES names.
 
     CLUSTER SLOTS leaves out a replica that has not replicated a byte yet (Redis 7: replication
     offset 0), as every replica of a new or idle cluster is: read from it alone, the nodes'
     checks (`doctor`, a listener's start) never reached such a replica, and it would be
-    promoted later without the notifications it was meant to get.
+    promoted later without the notifications it was meant to get. The node asked may not have
+    heard yet, by gossip, that a new replica replicates (it still says `master`, no slots): every
+    member counts, whatever its role, as does a primary that joined for a reshard and has no
+    slots yet.
     """
     table = cast(list[Any], client.execute_command("CLUSTER SLOTS"))  # type: ignore[no-untyped-call]
     slots: dict[str, list[tuple[int, int]]] = {}
@@ -171,13 +174,13 @@ def read_topology(client: redis.Redis) -> Topology:
         for node in (primary, *replicas):
             if _address(node) not in nodes:
                 nodes.append(_address(node))
-    nodes += [a for a in _replicas_named(client) if a not in nodes]
+    nodes += [a for a in _members_named(client) if a not in nodes]
     return Topology({a: tuple(sorted(r)) for a, r in slots.items()}, tuple(nodes))
 
 
-def _replicas_named(client: redis.Redis) -> list[str]:
-    """Replicas CLUSTER NODES names, sorted, without those the cluster counts as failed or
-    not yet joined; none when the command is refused (an ACL that allows CLUSTER SLOTS alone
+def _members_named(client: redis.Redis) -> list[str]:
+    """Nodes CLUSTER NODES names, sorted, without those the cluster counts as failed or not
+    yet joined; none when the command is refused (an ACL that allows CLUSTER SLOTS alone
     must not stop the listener) or the answer is not the table redis-py parses it into."""
     try:
         table = client.execute_command("CLUSTER NODES")  # type: ignore[no-untyped-call]
@@ -189,7 +192,8 @@ def _replicas_named(client: redis.Redis) -> list[str]:
     for address, info in table.items():
         flags = set(str(info.get("flags", "")).split(",")) if isinstance(info, dict) else set()
         host, _, port = str(address).rpartition(":")
-        if "slave" in flags and not flags & _NOT_A_MEMBER and host and port.isdigit():
+        member = flags & {"master", "slave"} and not flags & _NOT_A_MEMBER
+        if member and host and port.isdigit():
             found.append(f"{host}:{int(port)}")
     return sorted(found)
 

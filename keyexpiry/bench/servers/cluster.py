@@ -189,11 +189,16 @@ class LocalCluster:
             node.command("CONFIG", "SET", "notify-keyspace-events", "Exe")
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
-        """Wait until every running node says cluster_state:ok and sees every slot served, and
-        every replica's link to its primary is up."""
+        """Wait until every running node says cluster_state:ok and sees every slot served, every
+        replica's link to its primary is up, and every running node sees every other in the role
+        it has (gossip lags a REPLICATE or a failover: a check reading CLUSTER NODES of one node
+        would race it)."""
 
         def healthy() -> bool:
+            roles = {n.address: self._role(n) for n in self.running_nodes()}
             for node in self.running_nodes():
+                if not self._views(node, roles):
+                    return False
                 info = self._cluster_info(node)
                 if info.get("cluster_state") != "ok" or info.get("cluster_slots_ok") != str(SLOTS):
                     return False
@@ -283,6 +288,20 @@ class LocalCluster:
         text = node.command("CLUSTER", "NODES")
         text = text.decode() if isinstance(text, bytes) else str(text)
         return [line for line in text.splitlines() if line.strip()]
+
+    def _views(self, node: ClusterNode, roles: dict[str, str]) -> bool:
+        """Whether `node` sees each of `roles` (address → own ROLE) with that role, not failing."""
+        for line in self._known(node):
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            address = fields[1].split("@", 1)[0]
+            flags = set(fields[2].split(","))
+            if address not in roles:
+                continue
+            if flags & {"fail", "fail?", "handshake", "noaddr"} or roles[address] not in flags:
+                return False
+        return True
 
     @staticmethod
     def _cluster_info(node: ClusterNode) -> dict[str, str]:
