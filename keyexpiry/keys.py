@@ -189,6 +189,16 @@ def canary_key(owner: str, prefix: str = "") -> str:
     return f"{prefix}{CANARY_MARK}{owner}"
 
 
+MARKER_MARK = "#keyexpiry#marker"
+
+
+def marker_key(prefix: str = "") -> str:
+    """A key without expiry holding a random token, one per Redis primary (with its hash tag):
+    a listener that finds another token there (or none) knows Redis lost its keys (FLUSHALL, a
+    restart without persistence) even when no event and no reconnect said so."""
+    return f"{prefix}{MARKER_MARK}"
+
+
 def driver_lock_key(prefix: str = "") -> str:
     """The lock that elects one listener to drive expiries (so lookups are not multiplied)."""
     return f"{prefix}#keyexpiry#driver"

@@ -197,12 +197,18 @@ class MeasuredProcess:
         return {}
 
     def __enter__(self) -> Self:
-        # KEYEXPIRY_BENCH_PYSPY=out.txt records the process with py-spy (a profile, not a figure).
+        # KEYEXPIRY_BENCH_PYSPY=out.txt records the process with py-spy (a profile, not a figure);
+        # KEYEXPIRY_BENCH_PYSPY_ARGS adds py-spy options (`--gil`: only the thread holding the
+        # GIL, i.e. where the Python CPU goes rather than where threads wait).
         profile = os.environ.get("KEYEXPIRY_BENCH_PYSPY")
-        pyspy = str(Path(sys.executable).with_name("py-spy"))
-        spy = [pyspy, "record", "-r", "250", "-f", "raw", "-o", profile, "--"] if profile else []
+        spy: list[str] = []
+        if profile:
+            pyspy = str(Path(sys.executable).with_name("py-spy"))
+            extra = os.environ.get("KEYEXPIRY_BENCH_PYSPY_ARGS", "").split()
+            spy = [pyspy, "record", "-r", "250", "-f", "raw", *extra, "-o", profile, "--"]
         self.proc = subprocess.Popen(
-            [*spy, sys.executable, *self.argv()], env={**os.environ, **self.env()}
+            [*spy, sys.executable, *self.argv()],
+            env={**os.environ, **self.env()},
         )
         self._ps = psutil.Process(self.proc.pid)
         self._sampler = threading.Thread(target=self._sample, daemon=True)

@@ -139,6 +139,8 @@ class ClusterSubscription(Subscription):
         self._next_refresh_s = monotonic_s() + self.refresh_s
         health.subscribed.set()
         health.arm_sentinels(fresh=False)
+        # From here on a FLUSHALL is told by the marker (the reconciliation below covers before).
+        health.check_marker()
         reason = "reconnect" if self.connected_once else "start-up"
         self.connected_once = True
         logger.info(

@@ -4,6 +4,7 @@ event announced."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from loguru import logger
 from redis import Redis
 
 from keyexpiry.clock import monotonic_s
-from keyexpiry.keys import canary_key, sentinel_key
+from keyexpiry.keys import canary_key, marker_key, sentinel_key
 from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.masking import mask_url
 from keyexpiry.redis.server import REPLICA_PROBLEM
@@ -71,6 +72,11 @@ class Health:
         self._canary_events = 0  # events heard when the canary went out
         self._last_lease_check_s = 0.0
         self._last_canary_s = 0.0
+        self._marker_lock = threading.Lock()  # read at a subscription and every self-check
+        self._markers: dict[str, str] = {}
+        """The marker's token last read on each primary (by hash tag): see `check_marker`."""
+        self.markers_lost = 0
+        """Times a marker was found gone or replaced: Redis lost keys (for metrics)."""
 
     # --- what the subscription reports --------------------------------------------------------
     def canary_arrived(self, *, expired: bool, key: bytes | None = None) -> None:
@@ -129,10 +135,62 @@ class Health:
             logger.info("{} of {} sentinels fired: setting a fresh batch", fired, len(keys))
             self.arm_sentinels(fresh=True)
 
+    # --- the marker ---------------------------------------------------------------------------
+    def check_marker(self) -> None:
+        """Read the marker key on each primary, setting it where it is missing; a token other
+        than the one read last time means Redis lost its keys since (FLUSHALL, FLUSHDB, a
+        restart without persistence): reconcile now.
+
+        Every listener compares with its own last reading, so each of them notices and runs its
+        own share of the tasks that fell due meanwhile, within a second. Before, only sentinels
+        that vanished said so, read once per canary interval by one listener, and the others'
+        shares waited for their overdue check (`stuck_after_s` then `lease_check_s`: the soak's
+        15 s FLUSHALL tail). One round trip a second; the key has no expiry, so no policy of the
+        volatile kind evicts it (an `allkeys-*` one may: a reconciliation more, not a loss).
+        """
+        with self._marker_lock:
+            lost, of = self._read_markers()
+        if lost:
+            self.markers_lost += 1
+            where = f" on {lost} of {of} primaries" if self._on_cluster else ""
+            logger.warning(
+                "Redis lost keys{} (its marker key is gone: FLUSHALL, FLUSHDB or a restart "
+                "without persistence): reconciling from the ledger",
+                where,
+            )
+            self._request_reconcile("marker lost")
+
+    def _read_markers(self) -> tuple[int, int]:
+        """(primaries whose marker changed since the last reading, primaries)."""
+        tags = self._node_tags()
+        key = marker_key(self.settings.key_prefix)
+        token = secrets.token_hex(8)
+        pipe = self.redis.pipeline(transaction=False)
+        for tag in tags:
+            pipe.set(key + tag, token, nx=True)
+            # At most 64 bytes: anyone may write there, and the value is only compared.
+            pipe.getrange(key + tag, 0, 63)
+        replies = pipe.execute(raise_on_error=False)
+        lost: list[str] = []
+        for i, tag in enumerate(tags):
+            for reply in replies[2 * i : 2 * i + 2]:
+                if isinstance(reply, redis.ReadOnlyError):
+                    raise reply  # a replica: the listener's read-only handling says so once
+            reply = replies[2 * i + 1]
+            seen = type(reply).__name__ if isinstance(reply, Exception) else repr(reply)
+            before = self._markers.get(tag)
+            if before is not None and seen != before:
+                lost.append(tag)
+            self._markers[tag] = seen
+        for tag in [t for t in self._markers if t not in tags]:
+            del self._markers[tag]  # a primary gone from the topology
+        return len(lost), len(tags)
+
     # --- the periodic self-check --------------------------------------------------------------
     def self_check(self, now_s: float) -> None:
         """Periodic checks that need no event to trigger them.
 
+        - the marker: Redis lost its keys (see `check_marker`);
         - leases: runs whose listener died are found within `lease_check_s`, not at the next
           sentinel; so are pending tasks overdue by `stuck_after_s` (their key or event lost);
         - canary: a key this listener expires itself must come back as an event; while it does
@@ -143,6 +201,8 @@ class Health:
         """
         settings = self.settings
         began_s = monotonic_s()
+        if self.subscribed.is_set():
+            self.check_marker()
         if now_s - self._last_lease_check_s >= settings.lease_check_s or not self.events_arriving:
             self._last_lease_check_s = now_s
             self._reconciler.requeue_expired_leases()

@@ -439,6 +439,11 @@ class Listener:
         return self.health.canaries_seen
 
     @property
+    def markers_lost(self) -> int:
+        """Times Redis's marker key was found gone or replaced (Redis lost keys)."""
+        return self.health.markers_lost
+
+    @property
     def events_arriving(self) -> bool:
         """False while the canary's event does not come back."""
         return self.health.events_arriving

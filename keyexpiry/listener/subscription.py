@@ -220,6 +220,8 @@ class Subscription:
         self._heard_s, self._probe_sent_s = monotonic_s(), None
         health.subscribed.set()
         health.arm_sentinels(fresh=False)
+        # From here on a FLUSHALL is told by the marker (the reconciliation below covers before).
+        health.check_marker()
         reason = "reconnect" if self.connected_once else "start-up"
         self.connected_once = True
         if self.node is not None:

@@ -45,6 +45,7 @@ NAMES = (
     "keyexpiry_malformed_rows_total",
     "keyexpiry_reconciliations_total",
     "keyexpiry_reconnects_total",
+    "keyexpiry_redis_keys_lost_total",
     "keyexpiry_thread_errors_total",
     "keyexpiry_inflight",
     "keyexpiry_subscribed",
@@ -455,6 +456,12 @@ class ListenerCollector(Collector):
         )
         yield _counter(
             "keyexpiry_reconciliations", "Full reconciliation passes.", lst.reconciles_done
+        )
+        yield _counter(
+            "keyexpiry_redis_keys_lost",
+            "Times this listener found Redis's marker key gone or replaced (FLUSHALL, FLUSHDB, "
+            "a restart without persistence); each started a reconciliation.",
+            lst.markers_lost,
         )
         yield _counter(
             "keyexpiry_reconnects", "Subscriptions dropped or rebuilt since start.", lst.gaps

@@ -239,3 +239,31 @@ def test_arming_and_lookups_follow_slots_the_client_has_not_seen_move(
         assert all(50_000 < p <= 60_000 for p in pttls)
     finally:
         rt.close()
+
+
+def test_a_flushall_on_one_primary_is_noticed_within_seconds(
+    cluster_factory: ClusterFactory,
+    sqlite_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    # One primary loses its keys (FLUSHALL there alone): its marker, one per primary, says so,
+    # where the overdue check (a minute here) would have been the only way back.
+    cluster = cluster_factory()
+    cfg = make_settings(
+        cluster.url(),
+        sqlite_url,
+        tmp_path,
+        lease_check_s=60,
+        stuck_after_s=60,
+        canary_interval_s=60,
+    )
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        keys = _tasks(c, "flushed", 60, 1500, first_ms=500)
+        victim = cluster.primaries()[0]
+        assert _on(victim, keys, cluster) > 5
+        victim.command("FLUSHALL")
+        verdict.check(c, keys, timeout_s=20)
+        assert running.listener.markers_lost == 1

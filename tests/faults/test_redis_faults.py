@@ -228,3 +228,37 @@ def test_eviction_under_volatile_lru(
             pass  # past maxmemory Redis may refuse writes: eviction is what matters
         filler.close()
         verdict.check(c, keys, timeout_s=30)
+
+
+def test_a_flushall_is_noticed_by_every_listener_within_seconds(
+    redis_factory: RedisFactory,
+    db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    # Before the marker, only a listener that happened to read the vanished sentinels (once per
+    # canary interval) reconciled; every other listener's share of the flushed tasks waited for
+    # its overdue check (`stuck_after_s`, then every `lease_check_s`): the soak's 15 s tail.
+    # Here both are a minute, so only the marker can make the tasks run in time.
+    _, cfg = _setup(
+        redis_factory,
+        db_url,
+        tmp_path,
+        sentinel_count=4,
+        sentinel_interval_s=60,
+        canary_interval_s=60,
+        lease_check_s=60,
+        stuck_after_s=60,
+    )
+    with Client(cfg) as c:
+        listeners = [start_listener(cfg).listener for _ in range(2)]
+        keys = c.create_many(
+            TaskRequest("Probe.record", (f"flushed{i}",), ttl_ms=500 + 50 * i) for i in range(40)
+        )
+        c.redis.flushall()
+        verdict.check(c, keys, timeout_s=20)
+        rows = c.store.get_many(keys)
+        late_ms = sorted(r.started_at_ms - r.due_at_ms for r in rows.values() if r.started_at_ms)
+        assert late_ms[-1] < 10_000, late_ms[-5:]
+        assert all(lst.markers_lost >= 1 for lst in listeners)
