@@ -22,6 +22,7 @@ PEERS_STAMP := $(PEERS_VENV)/.installed-stamp
 BENCH_ARGS ?= --runs 3
 
 SOAK_MINUTES ?= 10
+SOAK_LEDGER ?= mariadb
 
 .PHONY: demo listen web dist test test-fast lint format servers reliability screenshots bench-peers bench-runnow soak clean
 
@@ -104,10 +105,10 @@ bench-peers: $(PEERS_STAMP) servers
 bench-runnow: $(PEERS_STAMP) servers
 	$(PEERS_VENV)/bin/keyexpiry bench --scenario run-now $(BENCH_ARGS)
 
-## soak: SOAK_MINUTES (default 10) of 500 tasks/s on Sentinel + MariaDB with a fault every minute;
-## the verdict, history and plots land in bench-results/soak/<time>/
+## soak: SOAK_MINUTES (default 10) of 500 tasks/s on Sentinel + SOAK_LEDGER (mariadb, or postgres)
+## with a fault every minute; the verdict, history and plots land in bench-results/soak/<time>/
 soak: $(STAMP) servers
-	$(BIN)/keyexpiry bench --scenario soak --minutes $(SOAK_MINUTES)
+	$(BIN)/keyexpiry bench --scenario soak --minutes $(SOAK_MINUTES) --backend $(SOAK_LEDGER)
 
 ## dist: a wheel in dist/ (keyexpiry is not on a package index yet: `pip install dist/keyexpiry-*.whl`)
 dist: $(RUN_STAMP)

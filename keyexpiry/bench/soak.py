@@ -1,10 +1,10 @@
 """`bench --scenario soak`: steady load for minutes, a fault every minute, a verdict from history.
 
 The set-up a production fleet has: Redis behind Sentinel (master, replica, three sentinels),
-MariaDB, three listener processes that a supervisor restarts when they die (as systemd's
-`Restart=always` would). Two listeners speak Sentinel; the third reaches Redis through HAProxy
-(a `role:master` check), as clients that do not speak Sentinel do, which is also where the
-network stall is made: SIGSTOP of that HAProxy.
+MariaDB or PostgreSQL (`--backend`), three listener processes that a supervisor restarts when they
+die (as systemd's `Restart=always` would). Two listeners speak Sentinel; the third reaches Redis
+through HAProxy (a `role:master` check), as clients that do not speak Sentinel do, which is also
+where the network stall is made: SIGSTOP of that HAProxy.
 
 A producer thread creates a steady stream (plain batches, tagged tasks, tasks created in a
 transaction), reschedules and cancels some of them, and writes what it did to
@@ -49,13 +49,20 @@ from redis.sentinel import Sentinel
 
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.harness import machine, redis_server_binary
-from keyexpiry.bench.servers import LOOPBACK, HAProxy, MariaDBServer, free_port, wait_until
+from keyexpiry.bench.servers import (
+    LOOPBACK,
+    HAProxy,
+    MariaDBServer,
+    PostgresServer,
+    free_port,
+    wait_until,
+)
 from keyexpiry.bench.servers.sentinel import SentinelGroup
 from keyexpiry.bench.soak_tasks import HISTORY_DIR_ENV, Soak, kind
 from keyexpiry.errors import RedisUnavailableError, StoreError
 
 FAULTS = (
-    "kill9", "sigstop", "failover", "pubsub_kill", "mariadb_restart", "flushall", "stall",
+    "kill9", "sigstop", "failover", "pubsub_kill", "ledger_restart", "flushall", "stall",
 )  # fmt: skip
 """The rotation, one fault per slot; FLUSHALL happens once per run, later turns skip it."""
 RETRY_SCHEDULE_S = (0.5, 1.0)
@@ -84,11 +91,25 @@ class SoakConfig:
     """How long the network stall (HAProxy stopped) lasts."""
     seed: int = 1
     faults: tuple[str, ...] = FAULTS
+    ledger: str = "mariadb"
+    """The ledger's engine: `mariadb` or `postgres` (restarted by the `ledger_restart` fault)."""
 
     @classmethod
     def quick(cls, minutes: float = 2.0) -> SoakConfig:
         """Two minutes, due at most 30 s ahead, a fault every 15 s (the whole rotation)."""
         return cls(minutes=minutes, max_due_s=30.0, fault_every_s=15.0, warm_up_s=30.0)
+
+
+def ledger_name(ledger: str) -> str:
+    """How the report names the ledger's engine."""
+    return "PostgreSQL" if ledger == "postgres" else "MariaDB"
+
+
+def _ledger_version(ledger: str, m: dict[str, Any]) -> str:
+    """`10.11.19-MariaDB-0+deb12u1` or `PostgreSQL 15.14`, from the machine's server lines."""
+    if ledger == "postgres":
+        return f"PostgreSQL {str(m.get('postgres', '?')).split()[-1]}"
+    return str(m.get("mariadb", "?")).split(" Ver ")[-1].split(" for ")[0]
 
 
 def _now_ms() -> int:
@@ -427,7 +448,11 @@ class SoakRun:
         work = run_dir / "servers"
         binary = redis_server_binary()
         self.group = SentinelGroup(work / "redis", binary=binary)
-        self.maria = MariaDBServer(work / "mariadb")
+        self.ledger: MariaDBServer | PostgresServer = (
+            PostgresServer(work / "postgres")
+            if cfg.ledger == "postgres"
+            else MariaDBServer(work / "mariadb")
+        )
         self.haproxy: HAProxy | None = None
         self.faults = _Lines(run_dir / "faults.jsonl")
         self.samples = _Lines(run_dir / "samples.jsonl")
@@ -440,7 +465,7 @@ class SoakRun:
 
     @contextlib.contextmanager
     def servers(self) -> Iterator[tuple[list[str], str]]:
-        """The Sentinel group, HAProxy before its two data nodes, MariaDB; yields the
+        """The Sentinel group, HAProxy before its two data nodes, the ledger; yields the
         listeners' Redis URLs and the ledger URL."""
         self.group.start()
         try:
@@ -452,12 +477,12 @@ class SoakRun:
             )
             self.haproxy.start()
             self.haproxy.wait_up(["node0"])
-            self.maria.start()
-            db_url = self.maria.create_database("soak")
+            self.ledger.start()
+            db_url = self.ledger.create_database("soak")
             urls = [self.group.url()] * (self.cfg.listeners - 1) + [self.haproxy.redis_url()]
             yield urls, db_url
         finally:
-            for stop in (self.maria.stop, self.group.stop):
+            for stop in (self.ledger.stop, self.group.stop):
                 with contextlib.suppress(Exception):
                     stop()
             if self.haproxy is not None:
@@ -583,7 +608,7 @@ class SoakRun:
         redis_ports = {n.port for n in self.group.nodes} | {s.port for s in self.group.sentinels}
         if self.haproxy is not None:
             redis_ports.add(self.haproxy.port)
-        return redis_ports, {self.maria.port}
+        return redis_ports, {self.ledger.port}
 
     def _sample_loop(self, fleet: Fleet, ke: Client) -> None:
         while not self.stop.wait(self.cfg.sample_every_s):
@@ -694,9 +719,9 @@ class SoakRun:
             finally:
                 client.close()
             return f"{killed} pubsub connections killed, {self._ready()}"
-        if name == "mariadb_restart":
-            self.maria.restart()
-            return f"MariaDB stopped and started, {self._ready()}"
+        if name == "ledger_restart":
+            self.ledger.restart()
+            return f"{ledger_name(self.cfg.ledger)} stopped and started, {self._ready()}"
         if name == "flushall":
             self.flushed = True
             client = self.master()
@@ -745,7 +770,7 @@ class SoakRun:
     def _wait_rearmed(self, cap_s: float = 120.0) -> str:
         """Until Redis holds a key for at least 90 % of the pending rows again."""
         deadline = time.monotonic() + cap_s
-        engine = sa.create_engine(self.maria.url("soak"))
+        engine = sa.create_engine(self.ledger.url("soak"))
         try:
             while time.monotonic() < deadline:
                 try:
@@ -845,8 +870,9 @@ def markdown(report: dict[str, Any], images: str) -> str:
         f"SOAK_MINUTES={minutes:g}`), {when}"
         + (f", commit {report['commit']}" if report.get("commit") else "")
         + f", on {m['cpus']} cores, Redis {m['redis']}, "
-        f"{m['mariadb'].split(' Ver ')[-1].split(' for ')[0]}. Redis behind Sentinel (master, "
-        "replica, three sentinels), MariaDB, three listener processes restarted when they die "
+        f"{_ledger_version(cfg.get('ledger', 'mariadb'), m)}. Redis behind Sentinel (master, "
+        f"replica, three sentinels), {ledger_name(cfg.get('ledger', 'mariadb'))}, three listener "
+        "processes restarted when they die "
         "(two speak Sentinel, one reaches Redis through HAProxy), production settings but "
         f"retention {cfg['retain_done_s']:g} s. A producer created {cfg['rate_per_s']} tasks/s due "
         f"{cfg['min_due_s']:g} s to {cfg['max_due_s']:g} s ahead (log-uniform; a tenth tagged, a "

@@ -35,6 +35,7 @@ FAULT_COLOURS = {
     "sigstop": "tab:purple",
     "failover": "tab:orange",
     "pubsub_kill": "tab:olive",
+    "ledger_restart": "tab:brown",
     "mariadb_restart": "tab:brown",
     "flushall": "tab:pink",
     "stall": "tab:cyan",

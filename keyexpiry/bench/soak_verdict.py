@@ -166,7 +166,7 @@ def _window_hint(task: Task, extra: Run, ctx: _Context) -> str:
             return f"1: listener {sorted(f.pids & pids)} cut off from the database (stall)"
         if f.pids & pids and f.kind not in ctx.window1:
             return f"1?: a {f.kind} hit the earlier run's listener {sorted(f.pids & pids)}"
-    if any(f.kind == "mariadb_restart" for f in between):
+    if any(f.kind in ("ledger_restart", "mariadb_restart") for f in between):
         return "1 or 4: the ledger restarted between the runs (lost database / refused outcome)"
     if between:
         return "none: faults between the runs: " + ", ".join(sorted({f.kind for f in between}))

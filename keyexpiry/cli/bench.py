@@ -56,21 +56,27 @@ def bench(
     if unknown or not set(backends) <= {"mariadb", "postgres", "sqlite"}:
         raise ConfigError(f"unknown scenario/backend: {unknown or backend}")
     if "soak" in names:
-        _soak(minutes, quick=quick, others=[n for n in names if n != "soak"])
+        _soak(minutes, quick=quick, others=[n for n in names if n != "soak"], backends=backends)
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     run(names, runs=runs, backend=backend, quick=quick, out=out, peers=peers, minutes=minutes)
     typer.echo(f"figures written to {out}")
 
 
-def _soak(minutes: float, *, quick: bool, others: list[str]) -> None:
-    """`bench --scenario soak`: its own servers (Sentinel, HAProxy, MariaDB), its own report."""
+def _soak(minutes: float, *, quick: bool, others: list[str], backends: list[str]) -> None:
+    """`bench --scenario soak`: its own servers (Sentinel, HAProxy, the ledger of `--backend`:
+    MariaDB or PostgreSQL), its own report."""
+    from dataclasses import replace
+
     from keyexpiry.bench import soak
 
     if others:
         raise ConfigError(f"soak runs alone, not with {', '.join(others)}")
+    if len(backends) != 1 or backends[0] not in ("mariadb", "postgres"):
+        raise ConfigError("the soak's ledger is one of mariadb, postgres (--backend)")
     cfg = soak.SoakConfig.quick(minutes if minutes != 10.0 else 2.0) if quick else None
-    report = soak.run(cfg or soak.SoakConfig(minutes=minutes), Path("bench-results/soak"))
+    cfg = replace(cfg or soak.SoakConfig(minutes=minutes), ledger=backends[0])
+    report = soak.run(cfg, Path("bench-results/soak"))
     verdict = report["verdict"]
     typer.echo(soak.summary(report))
     typer.echo(f"history, soak.json and plots in {report['run_dir']}")

@@ -4,20 +4,48 @@ its history (`keyexpiry bench --scenario soak` runs the same thing for `--minute
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from keyexpiry.bench import soak
-from tests.conftest import _require
+from tests.conftest import _require, _require_postgres
 
 pytestmark = pytest.mark.faults
 
+LEDGERS = ("mariadb", "postgres")
+
+
+def soak_ledger() -> str:
+    """The ledger this run's short soak uses (its test id names it): KEYEXPIRY_TEST_SOAK_LEDGER
+    when set, else the checked-out commit chooses, so successive commits soak both and a rerun
+    of one commit soaks the same one (every xdist worker must collect the same test)."""
+    if chosen := os.environ.get("KEYEXPIRY_TEST_SOAK_LEDGER"):
+        return chosen
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        return LEDGERS[int(head[:8], 16) % len(LEDGERS)]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return LEDGERS[0]  # not a git checkout
+
 
 @pytest.mark.xdist_group("heavy")
-def test_a_short_soak_loses_nothing_through_every_fault(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ledger", [soak_ledger()])
+def test_a_short_soak_loses_nothing_through_every_fault(tmp_path: Path, ledger: str) -> None:
     _require("haproxy")
+    if ledger == "postgres":
+        _require_postgres()
     cfg = soak.SoakConfig(
+        ledger=ledger,
         minutes=1.2,
         rate_per_s=200,
         max_due_s=15.0,
