@@ -23,6 +23,7 @@ BENCH_ARGS ?= --runs 3
 
 SOAK_MINUTES ?= 10
 SOAK_LEDGER ?= mariadb
+SOAK_REDIS ?= sentinel
 
 .PHONY: demo listen web dist test test-fast lint format servers reliability screenshots bench-peers bench-runnow soak clean
 
@@ -105,10 +106,11 @@ bench-peers: $(PEERS_STAMP) servers
 bench-runnow: $(PEERS_STAMP) servers
 	$(PEERS_VENV)/bin/keyexpiry bench --scenario run-now $(BENCH_ARGS)
 
-## soak: SOAK_MINUTES (default 10) of 500 tasks/s on Sentinel + SOAK_LEDGER (mariadb, or postgres)
-## with a fault every minute; the verdict, history and plots land in bench-results/soak/<time>/
+## soak: SOAK_MINUTES (default 10) of 500 tasks/s on SOAK_REDIS (sentinel, or cluster) and SOAK_LEDGER
+## (mariadb, or postgres) with a fault every minute; verdict, history, plots in bench-results/soak/
 soak: $(STAMP) servers
-	$(BIN)/keyexpiry bench --scenario soak --minutes $(SOAK_MINUTES) --backend $(SOAK_LEDGER)
+	$(BIN)/keyexpiry bench --scenario soak --minutes $(SOAK_MINUTES) --backend $(SOAK_LEDGER) \
+		--redis $(SOAK_REDIS)
 
 ## dist: a wheel in dist/ (keyexpiry is not on a package index yet: `pip install dist/keyexpiry-*.whl`)
 dist: $(RUN_STAMP)

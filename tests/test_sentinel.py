@@ -6,18 +6,26 @@ Failovers are in tests/faults/test_sentinel_faults.py.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loguru import logger
 
 from keyexpiry import Client, Settings, TaskRequest
-from keyexpiry.bench.servers import LOOPBACK, wait_until
-from keyexpiry.bench.servers.sentinel import SentinelGroup
+from keyexpiry.bench.servers import LOOPBACK, free_port, wait_until
+from keyexpiry.bench.servers.sentinel import SentinelGroup, SentinelServer
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.ops.doctor import run_checks
-from keyexpiry.redis.sentinel import MasterWatch, follows_sentinel, replica_addresses
+from keyexpiry.redis.sentinel import (
+    MasterWatch,
+    close_client,
+    follows_sentinel,
+    master_client,
+    replica_addresses,
+)
 from tests import sample_tasks
 from tests.ke import Running, make_settings, wait_status
 
@@ -139,3 +147,52 @@ def test_a_sentinel_down_is_skipped(
     with Client(make_settings(dead, sqlite_url, tmp_path)) as c:
         key = c.create("Probe.record", "skipped", ttl_s=60)
         wait_until(lambda: c.redis.exists(key) == 1, 5)
+
+
+def _live(pool: Any) -> int:
+    """Open sockets of a redis-py pool, idle or in use."""
+    conns = [*pool._available_connections, *pool._in_use_connections]
+    return sum(1 for c in conns if getattr(c, "_sock", None) is not None)
+
+
+def test_connections_to_the_sentinels_do_not_pile_up(
+    sentinel_group: SentinelGroup, tmp_path: Path
+) -> None:
+    # After a failover every thread of a listener reconnects at once, and redis-py asked the
+    # sentinels once per new connection, through a path that bypassed keyexpiry's pool: each
+    # sentinel's client kept as many connections as threads had asked together, and those to
+    # sentinels asked while they did not know the master stayed open for good (the soak's
+    # listeners: 6 to 12 connections to Redis's ports over a few failovers).
+    stray = SentinelServer(
+        tmp_path / "stray", config="", port=free_port(), binary=sentinel_group.master.binary
+    )
+    stray.start()
+    try:
+        hosts = ",".join(f"{LOOPBACK}:{s.port}" for s in sentinel_group.sentinels)
+        # First a sentinel that watches nothing: asked first, it names no master.
+        url = sentinel_group.url().replace(hosts, f"{LOOPBACK}:{stray.port},{hosts}")
+        client = master_client(url, {"socket_timeout": 5})
+        try:
+            pool = client.connection_pool
+            barrier = threading.Barrier(8)
+
+            def connect() -> None:
+                conn = pool.get_connection()
+                barrier.wait(10)  # every thread holds its own connection at once
+                pool.release(conn)
+
+            threads = [threading.Thread(target=connect) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            client.ping()
+            manager = pool.sentinel_manager  # type: ignore[attr-defined]
+            live = {s.connection_pool.connection_kwargs["port"]: _live(s.connection_pool)
+                    for s in manager.sentinels}  # fmt: skip
+            assert live[stray.port] == 0, live
+            assert sum(live.values()) == 1, live
+        finally:
+            close_client(client)
+    finally:
+        stray.stop()

@@ -1,10 +1,12 @@
 """`bench --scenario soak`: steady load for minutes, a fault every minute, a verdict from history.
 
-The set-up a production fleet has: Redis behind Sentinel (master, replica, three sentinels),
-MariaDB or PostgreSQL (`--backend`), three listener processes that a supervisor restarts when they
-die (as systemd's `Restart=always` would). Two listeners speak Sentinel; the third reaches Redis
-through HAProxy (a `role:master` check), as clients that do not speak Sentinel do, which is also
-where the network stall is made: SIGSTOP of that HAProxy.
+The set-up a production fleet has: Redis behind Sentinel (master, replica, three sentinels) or a
+Redis Cluster (`soak_redis`), MariaDB or PostgreSQL (`--backend`), three listener processes that a
+supervisor restarts when they die (as systemd's `Restart=always` would). On Sentinel two
+listeners speak Sentinel; the third reaches Redis through HAProxy (a `role:master` check), as
+clients that do not speak Sentinel do, which is also where the network stall is made: SIGSTOP of
+that HAProxy. On a Cluster every listener speaks Cluster, the stall is a primary paused, and
+slots move between primaries under load.
 
 A producer thread creates a steady stream (plain batches, tagged tasks, tasks created in a
 transaction), reschedules and cancels some of them, and writes what it did to
@@ -45,26 +47,23 @@ from typing import Any, TextIO
 import psutil
 import redis
 import sqlalchemy as sa
-from redis.sentinel import Sentinel
 
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.harness import machine, redis_server_binary
 from keyexpiry.bench.servers import (
     LOOPBACK,
-    HAProxy,
     MariaDBServer,
     PostgresServer,
     free_port,
     wait_until,
 )
-from keyexpiry.bench.servers.sentinel import SentinelGroup
+from keyexpiry.bench.soak_redis import SENTINEL_FAULTS, soak_redis
 from keyexpiry.bench.soak_tasks import HISTORY_DIR_ENV, Soak, kind
 from keyexpiry.errors import RedisUnavailableError, StoreError
 
-FAULTS = (
-    "kill9", "sigstop", "failover", "pubsub_kill", "ledger_restart", "flushall", "stall",
-)  # fmt: skip
-"""The rotation, one fault per slot; FLUSHALL happens once per run, later turns skip it."""
+FAULTS = SENTINEL_FAULTS
+"""The rotation on Sentinel, one fault per slot; FLUSHALL happens once per run, later turns skip
+it (`soak_redis.CLUSTER_FAULTS` on a Cluster)."""
 RETRY_SCHEDULE_S = (0.5, 1.0)
 """Two retries: a dead-by-design task starts three times."""
 
@@ -90,14 +89,29 @@ class SoakConfig:
     stall_s: float = 10.0
     """How long the network stall (HAProxy stopped) lasts."""
     seed: int = 1
-    faults: tuple[str, ...] = FAULTS
+    faults: tuple[str, ...] | None = None
+    """The rotation; None: the Redis's own (`soak_redis`)."""
     ledger: str = "mariadb"
+    redis: str = "sentinel"
+    """The Redis: `sentinel` or `cluster`."""
     """The ledger's engine: `mariadb` or `postgres` (restarted by the `ledger_restart` fault)."""
 
     @classmethod
     def quick(cls, minutes: float = 2.0) -> SoakConfig:
         """Two minutes, due at most 30 s ahead, a fault every 15 s (the whole rotation)."""
         return cls(minutes=minutes, max_due_s=30.0, fault_every_s=15.0, warm_up_s=30.0)
+
+
+def _kill_pubsub(client: redis.Redis) -> int:
+    """CLIENT KILL TYPE pubsub; how many it killed."""
+    return int(client.execute_command("CLIENT", "KILL", "TYPE", "pubsub"))  # type: ignore[no-untyped-call]
+
+
+def _redis_description(kind: str) -> str:
+    from keyexpiry.bench.soak_redis import ClusterRedis, SentinelRedis
+
+    text = (ClusterRedis if kind == "cluster" else SentinelRedis).description
+    return text[0].upper() + text[1:]
 
 
 def ledger_name(ledger: str) -> str:
@@ -447,13 +461,12 @@ class SoakRun:
         run_dir.mkdir(parents=True, exist_ok=True)
         work = run_dir / "servers"
         binary = redis_server_binary()
-        self.group = SentinelGroup(work / "redis", binary=binary)
+        self.redis = soak_redis(cfg.redis, work, binary)
         self.ledger: MariaDBServer | PostgresServer = (
             PostgresServer(work / "postgres")
             if cfg.ledger == "postgres"
             else MariaDBServer(work / "mariadb")
         )
-        self.haproxy: HAProxy | None = None
         self.faults = _Lines(run_dir / "faults.jsonl")
         self.samples = _Lines(run_dir / "samples.jsonl")
         self.stop = threading.Event()
@@ -465,36 +478,27 @@ class SoakRun:
 
     @contextlib.contextmanager
     def servers(self) -> Iterator[tuple[list[str], str]]:
-        """The Sentinel group, HAProxy before its two data nodes, the ledger; yields the
-        listeners' Redis URLs and the ledger URL."""
-        self.group.start()
+        """The Redis (`soak_redis`) and the ledger; yields the listeners' Redis URLs and the
+        ledger URL."""
+        self.redis.start()
         try:
-            self.haproxy = HAProxy(
-                self.run_dir / "servers" / "haproxy",
-                servers=[(f"node{i}", n.port) for i, n in enumerate(self.group.nodes)],
-                check="redis-master",
-                inter_ms=300,
-            )
-            self.haproxy.start()
-            self.haproxy.wait_up(["node0"])
             self.ledger.start()
             db_url = self.ledger.create_database("soak")
-            urls = [self.group.url()] * (self.cfg.listeners - 1) + [self.haproxy.redis_url()]
-            yield urls, db_url
+            yield self.redis.listener_urls(self.cfg.listeners), db_url
         finally:
-            for stop in (self.ledger.stop, self.group.stop):
+            for stop in (self.ledger.stop, self.redis.stop):
                 with contextlib.suppress(Exception):
                     stop()
-            if self.haproxy is not None:
-                with contextlib.suppress(Exception):
-                    self.haproxy.stop()
 
-    def master(self) -> redis.Redis:
-        """A client of the master as the sentinels name it now (short timeouts)."""
-        hosts = [(LOOPBACK, s.port) for s in self.group.sentinels]
-        sentinel = Sentinel(hosts, socket_timeout=1.0, socket_connect_timeout=1.0)  # type: ignore[no-untyped-call]
-        client: redis.Redis = sentinel.master_for(self.group.service, socket_timeout=2.0)  # type: ignore[no-untyped-call]
-        return client
+    def _on_primaries(self, command: Callable[[redis.Redis], Any]) -> list[Any]:
+        """`command` run on each primary's client (closed after)."""
+        out = []
+        for client in self.redis.primaries():
+            try:
+                out.append(command(client))
+            finally:
+                client.close()
+        return out
 
     def wait_fleet(self, cap_s: float = 60.0) -> bool:
         """Until every listener says it is ready again (False at the cap)."""
@@ -513,7 +517,7 @@ class SoakRun:
         cfg = self.cfg
         with self.servers() as (urls, db_url):
             fleet = self.fleet = Fleet(self.run_dir, db_url, urls, cfg)
-            settings = Settings(redis_url=self.group.url(), database_url=db_url, sentinel_count=0)
+            settings = Settings(redis_url=self.redis.url(), database_url=db_url, sentinel_count=0)
             ke = Client(settings)
             try:
                 fleet.start()
@@ -605,10 +609,7 @@ class SoakRun:
             return None
 
     def _ports(self) -> tuple[set[int], set[int]]:
-        redis_ports = {n.port for n in self.group.nodes} | {s.port for s in self.group.sentinels}
-        if self.haproxy is not None:
-            redis_ports.add(self.haproxy.port)
-        return redis_ports, {self.ledger.port}
+        return self.redis.ports(), {self.ledger.port}
 
     def _sample_loop(self, fleet: Fleet, ke: Client) -> None:
         while not self.stop.wait(self.cfg.sample_every_s):
@@ -641,11 +642,7 @@ class SoakRun:
                 continue
         used: int | None = None
         try:
-            client = self.master()
-            try:
-                used = int(client.info("memory")["used_memory"])
-            finally:
-                client.close()
+            used = sum(self._on_primaries(lambda c: int(c.info("memory")["used_memory"])))
         except redis.RedisError:
             pass
         return {
@@ -659,7 +656,7 @@ class SoakRun:
 
     def _fault_loop(self, fleet: Fleet, t0: float, produce_s: float) -> None:
         turn = 0
-        rotation = list(self.cfg.faults)
+        rotation = list(self.cfg.faults or self.redis.faults)
         victims = {"kill9": 0, "sigstop": 1}
         while True:
             at = t0 + (turn + 1) * self.cfg.fault_every_s
@@ -711,34 +708,25 @@ class SoakRun:
             fleet.signal(slot, signal.SIGCONT)
             return f"listener {slot} stopped {self.cfg.sigstop_s:g} s, {self._ready()}"
         if name == "failover":
-            return self._failover()
+            victims["failover"] = victims.get("failover", 0) + 1
+            return f"{self.redis.failover(victims['failover'] - 1)}, {self._ready()}"
+        if name == "reshard":
+            victims["reshard"] = victims.get("reshard", 0) + 1
+            return f"{self.redis.reshard(victims['reshard'] - 1)}, {self._ready()}"
         if name == "pubsub_kill":
-            client = self.master()
-            try:
-                killed = client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")  # type: ignore[no-untyped-call]
-            finally:
-                client.close()
+            killed = sum(self._on_primaries(_kill_pubsub))
             return f"{killed} pubsub connections killed, {self._ready()}"
         if name == "ledger_restart":
             self.ledger.restart()
             return f"{ledger_name(self.cfg.ledger)} stopped and started, {self._ready()}"
         if name == "flushall":
             self.flushed = True
-            client = self.master()
-            try:
-                client.flushall()
-            finally:
-                client.close()
-            return "FLUSHALL on the master; " + self._wait_rearmed()
+            self._on_primaries(lambda c: c.flushall())
+            return "FLUSHALL on every primary; " + self._wait_rearmed()
         if name == "stall":
-            assert self.haproxy is not None
-            pids.extend(pid for slot, pid in fleet.pids() if slot.index == n - 1)
-            self.haproxy.pause()
-            time.sleep(self.cfg.stall_s)  # the fault's own length
-            self.haproxy.resume()
-            return (
-                f"HAProxy before listener {n - 1} stopped {self.cfg.stall_s:g} s, {self._ready()}"
-            )
+            cut_off = self.redis.stalled_slots(n)
+            pids.extend(pid for slot, pid in fleet.pids() if slot.index in cut_off)
+            return f"{self.redis.stall(self.cfg.stall_s, n)}, {self._ready()}"
         raise ValueError(f"unknown fault {name}")
 
     def _ready(self) -> str:
@@ -747,25 +735,6 @@ class SoakRun:
         ok = self.wait_fleet()
         took = time.monotonic() - t
         return f"all ready {took:.1f} s later" if ok else f"NOT all ready after {took:.0f} s"
-
-    def _failover(self) -> str:
-        old = self.group.master_node()
-        old.kill()
-        wait_until(
-            lambda: self.group.master_address() not in (None, (LOOPBACK, old.port)),
-            60,
-            interval_s=0.1,
-            message="no failover",
-        )
-        new = self.group.master_node()
-        # Back as a replica of the new master, as an operator (or systemd and Sentinel) would.
-        old.restart(
-            args=["--repl-diskless-sync-delay", "0", "--replicaof", LOOPBACK, str(new.port)]
-        )
-        return (
-            f"master :{old.port} killed -9, :{new.port} promoted, old one back as replica, "
-            f"{self._ready()}"
-        )
 
     def _wait_rearmed(self, cap_s: float = 120.0) -> str:
         """Until Redis holds a key for at least 90 % of the pending rows again."""
@@ -782,11 +751,7 @@ class SoakRun:
                                 )
                             ).scalar_one()
                         )
-                    client = self.master()
-                    try:
-                        keys = int(client.dbsize())
-                    finally:
-                        client.close()
+                    keys = sum(self._on_primaries(lambda c: int(c.dbsize())))
                     if keys >= 0.9 * pending:
                         return f"keys re-armed ({keys} keys for {pending} pending rows)"
                 except (redis.RedisError, sa.exc.SQLAlchemyError):
@@ -870,10 +835,10 @@ def markdown(report: dict[str, Any], images: str) -> str:
         f"SOAK_MINUTES={minutes:g}`), {when}"
         + (f", commit {report['commit']}" if report.get("commit") else "")
         + f", on {m['cpus']} cores, Redis {m['redis']}, "
-        f"{_ledger_version(cfg.get('ledger', 'mariadb'), m)}. Redis behind Sentinel (master, "
-        f"replica, three sentinels), {ledger_name(cfg.get('ledger', 'mariadb'))}, three listener "
-        "processes restarted when they die "
-        "(two speak Sentinel, one reaches Redis through HAProxy), production settings but "
+        f"{_ledger_version(cfg.get('ledger', 'mariadb'), m)}. "
+        f"{_redis_description(cfg.get('redis', 'sentinel'))}, "
+        f"{ledger_name(cfg.get('ledger', 'mariadb'))}, three listener processes restarted when "
+        "they die, production settings but "
         f"retention {cfg['retain_done_s']:g} s. A producer created {cfg['rate_per_s']} tasks/s due "
         f"{cfg['min_due_s']:g} s to {cfg['max_due_s']:g} s ahead (log-uniform; a tenth tagged, a "
         "tenth created in a transaction), rescheduled and cancelled some, cancelled some tags; "

@@ -39,6 +39,7 @@ FAULT_COLOURS = {
     "mariadb_restart": "tab:brown",
     "flushall": "tab:pink",
     "stall": "tab:cyan",
+    "reshard": "tab:gray",
 }
 SLOT_COLOURS = ("tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:red")
 FIG_SIZE_IN = (13.0, 5.5)

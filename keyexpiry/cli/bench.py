@@ -39,6 +39,11 @@ def bench(
         False, "--quick", help="A fifth of the sizes (ledger: 1 M rows, not 10 M)."
     ),
     out: Path = typer.Option(Path("bench-results/latest.json"), "--json", help="Write here."),
+    redis: str = typer.Option(
+        "sentinel",
+        "--redis",
+        help="soak: the Redis it runs on, sentinel (with HAProxy) or cluster.",
+    ),
     peers: bool = typer.Option(
         True,
         "--peers/--no-peers",
@@ -56,16 +61,19 @@ def bench(
     if unknown or not set(backends) <= {"mariadb", "postgres", "sqlite"}:
         raise ConfigError(f"unknown scenario/backend: {unknown or backend}")
     if "soak" in names:
-        _soak(minutes, quick=quick, others=[n for n in names if n != "soak"], backends=backends)
+        others = [n for n in names if n != "soak"]
+        _soak(minutes, quick=quick, others=others, backends=backends, redis=redis)
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     run(names, runs=runs, backend=backend, quick=quick, out=out, peers=peers, minutes=minutes)
     typer.echo(f"figures written to {out}")
 
 
-def _soak(minutes: float, *, quick: bool, others: list[str], backends: list[str]) -> None:
-    """`bench --scenario soak`: its own servers (Sentinel, HAProxy, the ledger of `--backend`:
-    MariaDB or PostgreSQL), its own report."""
+def _soak(
+    minutes: float, *, quick: bool, others: list[str], backends: list[str], redis: str
+) -> None:
+    """`bench --scenario soak`: its own servers (Redis behind Sentinel and HAProxy, or a Redis
+    Cluster, `--redis`; the ledger of `--backend`: MariaDB or PostgreSQL), its own report."""
     from dataclasses import replace
 
     from keyexpiry.bench import soak
@@ -74,8 +82,10 @@ def _soak(minutes: float, *, quick: bool, others: list[str], backends: list[str]
         raise ConfigError(f"soak runs alone, not with {', '.join(others)}")
     if len(backends) != 1 or backends[0] not in ("mariadb", "postgres"):
         raise ConfigError("the soak's ledger is one of mariadb, postgres (--backend)")
+    if redis not in ("sentinel", "cluster"):
+        raise ConfigError("the soak's Redis is sentinel or cluster (--redis)")
     cfg = soak.SoakConfig.quick(minutes if minutes != 10.0 else 2.0) if quick else None
-    cfg = replace(cfg or soak.SoakConfig(minutes=minutes), ledger=backends[0])
+    cfg = replace(cfg or soak.SoakConfig(minutes=minutes), ledger=backends[0], redis=redis)
     report = soak.run(cfg, Path("bench-results/soak"))
     verdict = report["verdict"]
     typer.echo(soak.summary(report))

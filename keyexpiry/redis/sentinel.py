@@ -196,6 +196,44 @@ class FollowingPool(SentinelConnectionPool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self._next_check_s = 0.0
+        self._ask_lock = threading.Lock()
+        self._answer: tuple[float, Any, BaseException | None] | None = None
+        """(when, address, error) of the last time the sentinels were asked."""
+        # A new connection asks through the pool's proxy, not the pool (redis-py hands the
+        # proxy to its connections): both must come here.
+        self._ask_sentinels = self.proxy.get_master_address
+        self.proxy.get_master_address = self.get_master_address  # type: ignore[method-assign]
+
+    def get_master_address(self) -> Any:
+        """Where the sentinels say the master is: one thread asks, the threads that asked
+        meanwhile share its answer (or its error).
+
+        redis-py asks on every new connection. After a failover every thread of a listener
+        reconnects at once, and each sentinel's client opened as many connections as threads
+        asked together, then kept them in its pool: the soak's listeners went from 6 to 12
+        connections to Redis's ports over a few failovers, and stayed there.
+        """
+        asked_s = monotonic_s()
+        with self._ask_lock:
+            answer = self._answer
+            if answer is None or answer[0] < asked_s:
+                try:
+                    address = self._ask_sentinels()  # type: ignore[no-untyped-call]
+                    answer = (monotonic_s(), address, None)
+                    self._close_idle_sentinels()
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    answer = (monotonic_s(), None, exc)
+                self._answer = answer
+        if answer[2] is not None:
+            raise answer[2]
+        return answer[1]
+
+    def _close_idle_sentinels(self) -> None:
+        """Close the idle connections to every sentinel but the one that answered (redis-py
+        puts it first): those asked while it did not know the master yet (during a failover)
+        would otherwise stay open for the process's life, a step up at each failover."""
+        for sentinel in self.sentinel_manager.sentinels[1:]:
+            sentinel.connection_pool.disconnect(inuse_connections=False)
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         """A connection to the master (the sentinels asked again if the last answer is old)."""
@@ -203,7 +241,7 @@ class FollowingPool(SentinelConnectionPool):
         if now_s >= self._next_check_s:
             self._next_check_s = now_s + POOL_RECHECK_S
             try:
-                self.get_master_address()  # type: ignore[no-untyped-call]
+                self.get_master_address()
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 pass  # no master named now: the connection's own connect fails and says so
         return super().get_connection(*args, **kwargs)

@@ -11,18 +11,21 @@ from pathlib import Path
 import pytest
 
 from keyexpiry.bench import soak
+from keyexpiry.bench.soak_redis import CLUSTER_FAULTS, SENTINEL_FAULTS
 from tests.conftest import _require, _require_postgres
 
 pytestmark = pytest.mark.faults
 
-LEDGERS = ("mariadb", "postgres")
+TOPOLOGIES = ("sentinel-mariadb", "sentinel-postgres", "cluster-mariadb")
+"""Redis and ledger of the short soak: one per run, `KEYEXPIRY_TEST_SOAK_TOPOLOGY` or the
+commit's choice."""
 
 
-def soak_ledger() -> str:
-    """The ledger this run's short soak uses (its test id names it): KEYEXPIRY_TEST_SOAK_LEDGER
-    when set, else the checked-out commit chooses, so successive commits soak both and a rerun
-    of one commit soaks the same one (every xdist worker must collect the same test)."""
-    if chosen := os.environ.get("KEYEXPIRY_TEST_SOAK_LEDGER"):
+def soak_topology() -> str:
+    """The topology this run's short soak uses (its test id names it): KEYEXPIRY_TEST_SOAK_TOPOLOGY
+    when set, else the checked-out commit chooses, so successive commits soak each and a rerun of
+    one commit soaks the same one (every xdist worker must collect the same test)."""
+    if chosen := os.environ.get("KEYEXPIRY_TEST_SOAK_TOPOLOGY"):
         return chosen
     try:
         head = subprocess.run(
@@ -33,19 +36,22 @@ def soak_ledger() -> str:
             timeout=10,
             check=True,
         ).stdout.strip()
-        return LEDGERS[int(head[:8], 16) % len(LEDGERS)]
+        return TOPOLOGIES[int(head[:8], 16) % len(TOPOLOGIES)]
     except (OSError, ValueError, subprocess.SubprocessError):
-        return LEDGERS[0]  # not a git checkout
+        return TOPOLOGIES[0]  # not a git checkout
 
 
 @pytest.mark.xdist_group("heavy")
-@pytest.mark.parametrize("ledger", [soak_ledger()])
-def test_a_short_soak_loses_nothing_through_every_fault(tmp_path: Path, ledger: str) -> None:
-    _require("haproxy")
+@pytest.mark.parametrize("topology", [soak_topology()])
+def test_a_short_soak_loses_nothing_through_every_fault(tmp_path: Path, topology: str) -> None:
+    redis_kind, _, ledger = topology.partition("-")
+    if redis_kind == "sentinel":
+        _require("haproxy")
     if ledger == "postgres":
         _require_postgres()
     cfg = soak.SoakConfig(
         ledger=ledger,
+        redis=redis_kind,
         minutes=1.2,
         rate_per_s=200,
         max_due_s=15.0,
@@ -68,7 +74,8 @@ def test_a_short_soak_loses_nothing_through_every_fault(tmp_path: Path, ledger: 
     run_dir = Path(report["run_dir"])
     # Every fault of the rotation happened, with its start and end logged.
     faults = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
-    assert {f["fault"] for f in faults} == set(soak.FAULTS), faults
+    rotation = CLUSTER_FAULTS if redis_kind == "cluster" else SENTINEL_FAULTS
+    assert {f["fault"] for f in faults} == set(rotation), faults
     assert all(f["end_ms"] >= f["start_ms"] and "failed" not in f["detail"] for f in faults)
     assert [f["fault"] for f in faults].count("flushall") == 1
     assert fates["ran_once"] > 0.9 * verdict["created"], fates
