@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -157,3 +159,47 @@ def test_tasks_whose_wake_was_lost_in_a_subscription_gap_fire_on_time(
             wait_status(c, key, TaskStatus.DONE, timeout_s=15)
         assert max(_lateness_ms(c, keys)) < 1000
     admin.close()
+
+
+def test_a_task_committed_while_the_driver_reads_its_window_fires_on_time(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    """Found by the soak: a task committed after a window read took its snapshot, with its wake
+    arriving before the read ended, was in neither: the wake was dropped as beyond the old
+    horizon ("the read finds it"), and the next read starts at the new one. Tasks created as a
+    new driver took over (its first read covers everything) waited up to 25 s."""
+    server = redis_factory()
+    cfg = make_settings(server.url(), db_url, tmp_path, stuck_after_s=60, lease_check_s=60)
+    with Client(cfg) as c:
+        _fill_far_future_keys(c.redis, 100_000)
+        running = start_listener(cfg)
+        driver = running.listener.driver
+        wait_until(lambda: driver.is_leader, 10, message="never drove")
+        store, note = driver.store, driver.note
+        noted = threading.Event()
+        raced: list[str] = []
+
+        def noting(items: Any) -> None:
+            note(items)
+            noted.set()
+
+        class Racing:
+            """The real ledger, a task committed (and its wake heard) inside one window read."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            def upcoming(self, **kw: Any) -> Any:
+                rows = store.upcoming(**kw)  # the read's snapshot: before the task
+                if not raced:
+                    noted.clear()
+                    raced.append(c.create("Probe.record", "raced", ttl_ms=1500))
+                    assert noted.wait(5), "the wake never reached the driver"
+                return rows
+
+        running.listener.router._note_due = noting  # where the subscription's wakes go
+        driver.store = Racing()  # type: ignore[assignment]
+        driver.reread()
+        wait_until(lambda: bool(raced), 5, message="no window read")
+        wait_status(c, raced[0], TaskStatus.DONE, timeout_s=15)
+        assert max(_lateness_ms(c, raced)) < 1000
