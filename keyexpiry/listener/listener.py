@@ -30,6 +30,7 @@ from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.listener.routing import Router
 from keyexpiry.listener.subscription import Handlers, Subscription
 from keyexpiry.masking import mask_url
+from keyexpiry.redis.pools import IdleTrimmer, pools_of
 from keyexpiry.redis.sentinel import MasterWatch, follows_sentinel
 from keyexpiry.registry import Registry
 from keyexpiry.runner.dispatch import Dispatcher
@@ -68,6 +69,8 @@ class Listener:
         self.redis, self.clock, self.owner = rt.redis, rt.clock, rt.owner
         self.run_metrics = rt.metrics
         """What the workers observe of each run (`/metrics` serves it)."""
+        self.idle_redis = IdleTrimmer(lambda: pools_of(rt.redis))
+        """Closes the Redis connections a burst or a recovery opened once they stay unused."""
         self._stop = threading.Event()
         self.warmed = threading.Event()
         """Set once the ledger connections are open and the claims compiled (`_warm_up`)."""
@@ -391,6 +394,7 @@ class Listener:
 
     def _self_check(self, now_s: float) -> None:
         self.health.self_check(now_s)
+        self.idle_redis.tick(now_s)
 
     def _connect(self) -> None:
         self.subscription.connect()
