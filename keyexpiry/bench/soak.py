@@ -943,11 +943,12 @@ def run(
         plots = False
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir = (out_dir / stamp).resolve()
+    commit = _commit()  # what the listeners run: read now, not after minutes of work on the tree
     report = SoakRun(cfg, run_dir, say).run()
     if skipped:
         report["plots_skipped"] = skipped
     report["machine"] = machine()
-    report["commit"] = _commit()
+    report["commit"] = commit
     say("  judging the history")
     history = soak_history.load(run_dir)
     report["verdict"] = soak_verdict.verdict_of(history, report["params"])

@@ -95,6 +95,14 @@ class ClusterSubscription(Subscription):
         """The primaries subscribed now."""
         return sorted(self._feeds)
 
+    def unheard(self) -> list[str]:
+        """Primaries serving slots that this listener is not subscribed to now (stalled,
+        failing, being subscribed again): the expired events of their keys go unheard."""
+        topology = self.topology
+        if topology is None:
+            return []
+        return [a for a in topology.primaries if a not in self._feeds]
+
     def selected_sockets(self) -> set[int]:
         """ids of the sockets the selector waits on (for tests)."""
         return {id(key.fileobj) for key in dict(self._selector.get_map()).values()}

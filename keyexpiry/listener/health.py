@@ -22,6 +22,8 @@ from keyexpiry.settings import Settings
 
 _CANARY_PATIENCE_S = 30.0
 """How long the canary's event may lag behind a stream of other expired events."""
+MARKER_EVERY_S = 1.0
+"""How often each listener reads the marker (see `Health.check_marker`)."""
 _CANARY_LOOKUPS = 20
 """Lookups that expire the canary, a millisecond apart (see `Health._expire_canaries`)."""
 
@@ -75,6 +77,10 @@ class Health:
         self._marker_lock = threading.Lock()  # read at a subscription and every self-check
         self._markers: dict[str, str] = {}
         """The marker's token last read on each primary (by hash tag): see `check_marker`."""
+        self.unheard_primaries: Callable[[], list[str]] = list
+        """Cluster primaries whose events this listener cannot hear now (set by a Cluster
+        subscription): while any, due tasks run from the ledger as when no event arrives."""
+        self._unheard_said: tuple[str, ...] = ()
         self.markers_lost = 0
         """Times a marker was found gone or replaced: Redis lost keys (for metrics)."""
 
@@ -160,6 +166,18 @@ class Health:
             )
             self._request_reconcile("marker lost")
 
+    def marker_loop(self, stop: threading.Event) -> None:
+        """`check_marker` once a second while subscribed, until `stop`; on a thread of its
+        own, since a primary that stops answering holds it for a socket timeout. Not while a
+        primary is unheard: it may not answer (it is reconciled when it is subscribed again)."""
+        while not stop.wait(MARKER_EVERY_S):
+            if not self.subscribed.is_set() or self.unheard_primaries():
+                continue
+            try:
+                self.check_marker()
+            except (redis.RedisError, OSError) as exc:
+                logger.debug("marker check failed: {}", exc)
+
     def _read_markers(self) -> tuple[int, int]:
         """(primaries whose marker changed since the last reading, primaries)."""
         tags = self._node_tags()
@@ -190,7 +208,6 @@ class Health:
     def self_check(self, now_s: float) -> None:
         """Periodic checks that need no event to trigger them.
 
-        - the marker: Redis lost its keys (see `check_marker`);
         - leases: runs whose listener died are found within `lease_check_s`, not at the next
           sentinel; so are pending tasks overdue by `stuck_after_s` (their key or event lost);
         - canary: a key this listener expires itself must come back as an event; while it does
@@ -201,19 +218,18 @@ class Health:
         """
         settings = self.settings
         began_s = monotonic_s()
-        if self.subscribed.is_set():
-            self.check_marker()
-        if now_s - self._last_lease_check_s >= settings.lease_check_s or not self.events_arriving:
+        arriving = self.events_arriving and not self._deaf_to_some()
+        if now_s - self._last_lease_check_s >= settings.lease_check_s or not arriving:
             self._last_lease_check_s = now_s
             self._reconciler.requeue_expired_leases()
             # Overdue rows while our claimer still has events queued are most likely among them:
             # re-arming them now would only swell the backlog. They are repaired once it drains
             # (or by the next full pass). Only our share: a live peer's are its own to repair.
-            if self._backlog() == 0 or not self.events_arriving:
+            if self._backlog() == 0 or not arriving:
                 # Without events the ledger is the only path: run what is due now.
                 self._reconciler.repair_stuck(
-                    grace_ms=int(settings.stuck_after_s * 1000) if self.events_arriving else 0,
-                    events_arriving=self.events_arriving,
+                    grace_ms=int(settings.stuck_after_s * 1000) if arriving else 0,
+                    events_arriving=arriving,
                     mine=self._mine,
                 )
         if not self.subscribed.is_set():
@@ -226,6 +242,23 @@ class Health:
             now_s - self._last_canary_s >= settings.canary_interval_s or not self.events_arriving
         ):
             self._send_canary(now_s)
+
+    def _deaf_to_some(self) -> bool:
+        """Whether a Cluster primary's events go unheard now (said once per change): its keys'
+        tasks would wait for it to answer again, so they run from the ledger meanwhile (found by
+        the Cluster soak: a primary paused for 10 s held its tasks 10 s)."""
+        unheard = tuple(self.unheard_primaries())
+        if unheard != self._unheard_said:
+            if unheard:
+                logger.warning(
+                    "not subscribed to primary {}: running its due tasks from the ledger until "
+                    "its events are heard again",
+                    ", ".join(unheard),
+                )
+            else:
+                logger.info("every primary's events are heard again")
+            self._unheard_said = unheard
+        return bool(unheard)
 
     def _check_canary(self, now_s: float) -> None:
         if self._canary_sent_s is None:

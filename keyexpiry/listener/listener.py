@@ -168,6 +168,8 @@ class Listener:
             if rt.cluster is None
             else ClusterSubscription(self.health, handlers, cluster=rt.cluster, **parts)
         )
+        if isinstance(self.subscription, ClusterSubscription):
+            self.health.unheard_primaries = self.subscription.unheard
         self.channel = self.subscription.channel
         self.wake_channel = self.subscription.wake_channel
         self.subscribed = self.health.subscribed
@@ -226,6 +228,13 @@ class Listener:
             "flow",
             lambda: self.dispatcher.gate.loop(self._fleet_stop),
             stopped=self._fleet_stop,
+            errors=self.thread_errors,
+        )
+        # Its own thread: a primary that stops answering holds it, not the repairs.
+        spawn(
+            "marker",
+            lambda: self.health.marker_loop(self._stop),
+            stopped=self._stop,
             errors=self.thread_errors,
         )
         if self.master_watch is not None:

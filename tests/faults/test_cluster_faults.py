@@ -267,3 +267,44 @@ def test_a_flushall_on_one_primary_is_noticed_within_seconds(
         victim.command("FLUSHALL")
         verdict.check(c, keys, timeout_s=20)
         assert running.listener.markers_lost == 1
+
+
+def test_a_paused_primarys_due_tasks_run_from_the_ledger_before_it_answers_again(
+    cluster_factory: ClusterFactory,
+    sqlite_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    # Found by the Cluster soak: a primary paused for 10 s (its connections open, nothing
+    # answered) held the tasks of its slots for the whole pause. Its subscription's PING finds
+    # it silent; from then on its due tasks run from the ledger, as when no event arrives.
+    cluster = cluster_factory()
+    cfg = make_settings(
+        cluster.url(),
+        sqlite_url,
+        tmp_path,
+        lease_check_s=60,
+        stuck_after_s=60,
+        canary_interval_s=60,
+    )
+    with Client(cfg) as c:
+        start_listener(cfg)
+        victim = cluster.primaries()[0]
+        keys = _tasks(c, "paused", 60, 1000, first_ms=1000)
+        assert _on(victim, keys, cluster) > 5
+        pause_s = 12.0
+        victim.command("CLIENT", "PAUSE", int(pause_s * 1000), "ALL")
+        paused_at = monotonic_s()
+        wait_until(
+            lambda: all(s is TaskStatus.DONE for s in _statuses(c, keys)),
+            pause_s - 2,
+            message="the paused primary's tasks waited for it",
+        )
+        assert monotonic_s() - paused_at < pause_s
+        verdict.check(c, keys, timeout_s=30)
+
+
+def _statuses(c: Client, keys: list[str]) -> list[TaskStatus]:
+    rows = c.store.get_many(keys)
+    return [rows[k].status for k in keys if k in rows]
