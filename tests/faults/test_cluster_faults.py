@@ -251,14 +251,7 @@ def test_a_flushall_on_one_primary_is_noticed_within_seconds(
     # One primary loses its keys (FLUSHALL there alone): its marker, one per primary, says so,
     # where the overdue check (a minute here) would have been the only way back.
     cluster = cluster_factory()
-    cfg = make_settings(
-        cluster.url(),
-        sqlite_url,
-        tmp_path,
-        lease_check_s=60,
-        stuck_after_s=60,
-        canary_interval_s=60,
-    )
+    cfg = _without_quick_repairs(cluster, sqlite_url, tmp_path)
     with Client(cfg) as c:
         running = start_listener(cfg)
         keys = _tasks(c, "flushed", 60, 1500, first_ms=500)
@@ -280,14 +273,7 @@ def test_a_paused_primarys_due_tasks_run_from_the_ledger_before_it_answers_again
     # answered) held the tasks of its slots for the whole pause. Its subscription's PING finds
     # it silent; from then on its due tasks run from the ledger, as when no event arrives.
     cluster = cluster_factory()
-    cfg = make_settings(
-        cluster.url(),
-        sqlite_url,
-        tmp_path,
-        lease_check_s=60,
-        stuck_after_s=60,
-        canary_interval_s=60,
-    )
+    cfg = _without_quick_repairs(cluster, sqlite_url, tmp_path)
     with Client(cfg) as c:
         start_listener(cfg)
         victim = cluster.primaries()[0]
@@ -303,6 +289,14 @@ def test_a_paused_primarys_due_tasks_run_from_the_ledger_before_it_answers_again
         )
         assert monotonic_s() - paused_at < pause_s
         verdict.check(c, keys, timeout_s=30)
+
+
+def _without_quick_repairs(cluster: LocalCluster, db_url: str, tmp_path: Path) -> Settings:
+    """Settings whose overdue check and canary wait a minute: only the path under test can run
+    the tasks in time."""
+    return make_settings(
+        cluster.url(), db_url, tmp_path, lease_check_s=60, stuck_after_s=60, canary_interval_s=60
+    )
 
 
 def _statuses(c: Client, keys: list[str]) -> list[TaskStatus]:
