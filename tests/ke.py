@@ -33,6 +33,12 @@ FAST = {
 """Short retries, leases and backoffs, so no test waits long."""
 
 
+def live_connections(pool: Any) -> int:
+    """Open sockets of a redis-py pool, idle or in use."""
+    conns = [*pool._available_connections, *pool._in_use_connections]
+    return sum(1 for c in conns if getattr(c, "_sock", None) is not None)
+
+
 def make_settings(redis_url: str, db_url: str, tmp: Path, **overrides: Any) -> Settings:
     """Settings for a test: real server URLs and fast timings."""
     values: dict[str, Any] = {**FAST, **overrides}

@@ -6,11 +6,7 @@ import redis
 
 from keyexpiry.redis.pools import IdleTrimmer, pools_of
 from tests.conftest import RedisFactory
-
-
-def _connected(pool: redis.ConnectionPool) -> int:
-    conns = [*pool._available_connections, *pool._in_use_connections]  # type: ignore[attr-defined]
-    return sum(1 for c in conns if getattr(c, "_sock", None) is not None)
+from tests.ke import live_connections
 
 
 def test_connections_a_burst_opened_are_closed_once_unused_and_the_pool_still_works(
@@ -26,7 +22,7 @@ def test_connections_a_burst_opened_are_closed_once_unused_and_the_pool_still_wo
             conn.read_response()
         for conn in burst:
             pool.release(conn)
-        assert _connected(pool) == 6
+        assert live_connections(pool) == 6
         trimmer = IdleTrimmer(lambda: pools_of(client), every_s=60)
         assert trimmer.tick(0.0) == 0
         held = pool.get_connection()  # one in use at the next sample: the working set
@@ -34,10 +30,10 @@ def test_connections_a_burst_opened_are_closed_once_unused_and_the_pool_still_wo
         pool.release(held)
         # Idle at every sample: 5 of the 6 (one was in use at 30 s: the working set is kept).
         assert trimmer.tick(61.0) == 5
-        assert _connected(pool) == 1
+        assert live_connections(pool) == 1
         assert client.ping()
         # A pool in steady use loses nothing.
         assert trimmer.tick(62.0) == 0 and trimmer.tick(130.0) == 0
-        assert _connected(pool) == 1
+        assert live_connections(pool) == 1
     finally:
         client.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from loguru import logger
@@ -27,7 +26,7 @@ from keyexpiry.redis.sentinel import (
     replica_addresses,
 )
 from tests import sample_tasks
-from tests.ke import Running, make_settings, wait_status
+from tests.ke import Running, live_connections, make_settings, wait_status
 
 StartListener = Callable[[Settings], Running]
 
@@ -149,12 +148,6 @@ def test_a_sentinel_down_is_skipped(
         wait_until(lambda: c.redis.exists(key) == 1, 5)
 
 
-def _live(pool: Any) -> int:
-    """Open sockets of a redis-py pool, idle or in use."""
-    conns = [*pool._available_connections, *pool._in_use_connections]
-    return sum(1 for c in conns if getattr(c, "_sock", None) is not None)
-
-
 def test_connections_to_the_sentinels_do_not_pile_up(
     sentinel_group: SentinelGroup, tmp_path: Path
 ) -> None:
@@ -188,7 +181,7 @@ def test_connections_to_the_sentinels_do_not_pile_up(
                 t.join(20)
             client.ping()
             manager = pool.sentinel_manager  # type: ignore[attr-defined]
-            live = {s.connection_pool.connection_kwargs["port"]: _live(s.connection_pool)
+            live = {s.connection_pool.connection_kwargs["port"]: live_connections(s.connection_pool)
                     for s in manager.sentinels}  # fmt: skip
             assert live[stray.port] == 0, live
             assert sum(live.values()) == 1, live

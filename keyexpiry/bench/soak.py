@@ -19,8 +19,9 @@ files (and nothing from the listeners' logs) to decide every task's fate.
 Long because it is one scenario's runner. `SoakConfig` and the run directory's
 files tie its parts together (the fleet, the producer, the fault rotation, the samplers, the
 report), and none is used elsewhere; reading the history back and judging it are modules of
-their own (`soak_history`, `soak_verdict`). Should a part grow or be reused, `Fleet` and
-`Producer` (with `SoakConfig` and `_Lines` beneath them) are the seams.
+their own (`soak_history`, `soak_verdict`), as is the Redis side (`soak_redis`). Should a part
+grow or be reused, `Fleet` and `Producer` (with `SoakConfig` and `_Lines` beneath them) are the
+seams.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class Health:
         self._canary_events = 0  # events heard when the canary went out
         self._last_lease_check_s = 0.0
         self._last_canary_s = 0.0
-        self._marker_lock = threading.Lock()  # read at a subscription and every self-check
+        self._marker_lock = threading.Lock()  # read at a subscription and by the marker thread
         self._markers: dict[str, str] = {}
         """The marker's token last read on each primary (by hash tag): see `check_marker`."""
         self.unheard_primaries: Callable[[], list[str]] = list

@@ -1,5 +1,8 @@
 """The long-running listener: expired events in, dispatched tasks out, forever.
 
+Long because it wires every part together and starts and stops their threads in order; the
+parts themselves live in their own modules (below).
+
 It only composes and runs the parts: the subscription (`subscription`), what each message means
 (`routing`), claim-run-record (`dispatch`), the expiry driver (`driver`), loss control (`health`)
 and the maintenance thread (`maintenance`). `step()` handles one batch of messages, so tests can
