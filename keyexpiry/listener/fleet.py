@@ -69,13 +69,16 @@ class Fleet:
         running: Callable[[], int],
         submit: Callable[[list[str]], None] | None = None,
         hearing: Callable[[], bool] | None = None,
+        silent_link: Callable[[], bool] | None = None,
     ) -> None:
         """Heartbeats of `owner` (announcing `registry`'s classes) written to `store`, timed
         by `clock`'s extrapolation (a beat never waits on Redis)."""
         self.store, self.clock, self.settings = store, clock, settings
         self.registry, self.owner = registry, owner
         self._hearing = hearing
+        self._silent_link = silent_link
         self._heard = True
+        self._poke = threading.Event()
         self.away = False
         """True while this listener hears nothing from Redis and announces no classes."""
         self._reconciler = reconciler
@@ -123,11 +126,19 @@ class Fleet:
             if peer != self.owner:
                 self._take_over(peer, silent_before)
 
+    def poke(self) -> None:
+        """Beat now rather than at the next interval (the link to Redis was found silent, or
+        the listener is stopping)."""
+        self._poke.set()
+
     def _note_hearing(self) -> None:
         """Go away after two beats without hearing Redis (one would hand the share over at
-        every brief reconnect); come back at the first beat that hears it."""
+        every brief reconnect), or at once when the link was found silent (an unanswered PING:
+        seconds of silence already, no brief reconnect); come back at the first beat that
+        hears it."""
         hearing = self._hearing is None or self._hearing()
-        away = not hearing and not self._heard
+        silent = self._silent_link is not None and self._silent_link()
+        away = not hearing and (not self._heard or silent)
         self._heard = hearing
         if away and not self.away:
             logger.warning(
@@ -211,7 +222,9 @@ class Fleet:
                 if not self.failing:
                     logger.warning("cannot write this listener's heartbeat: {}", exc)
                 self.failing = True
-            stopped.wait(self.settings.heartbeat_s)
+            # `poke` cuts the wait short; stopping pokes too (`stopped` alone would wait).
+            self._poke.wait(self.settings.heartbeat_s)
+            self._poke.clear()
         self.leave()
 
     def leave(self) -> None:

@@ -56,6 +56,12 @@ class Health:
         self._mine = mine
         self._request_reconcile = request_reconcile
         self.subscribed = threading.Event()
+        self.silent_link = False
+        """True from an unanswered PING until subscribed again: not a brief reconnect, a link
+        that carried nothing for `PROBE_IDLE_S + PROBE_PATIENCE_S`."""
+        self.on_silent_link: Callable[[], None] | None = None
+        """Called when the link is found silent (the listener beats at once: peers take its
+        share at their next beat, not two beats later)."""
         self.events_arriving = True
         """False while the canary's expiry event does not come back (see `self_check`)."""
         self.problem: str | None = None
@@ -99,6 +105,14 @@ class Health:
     def connection_gap(self) -> None:
         """The subscription dropped: the canary's event may have been lost, send another."""
         self._canary_sent_s = None
+
+    def link_went_silent(self) -> None:
+        """The subscription's PING went unanswered: mark the link silent and tell the fleet."""
+        self.silent_link = True
+        # Before the fleet is told: the beat it runs at once must find this listener deaf.
+        self.subscribed.clear()
+        if self.on_silent_link is not None:
+            self.on_silent_link()
 
     def started(self, now_s: float) -> None:
         """The periodic checks count from now."""

@@ -104,6 +104,7 @@ class Listener:
             running=lambda: self.dispatcher.inflight.count,
             submit=self.dispatcher.submit,
             hearing=lambda: self.health.subscribed.is_set(),
+            silent_link=lambda: self.health.silent_link,
         )
         self._fleet_stop = threading.Event()
         # Looked up at call time (lambdas), so a test or a subclass may wrap these methods.
@@ -124,6 +125,7 @@ class Listener:
                 and not self.dispatcher.gate.holds(key)
             ),
         )
+        self.health.on_silent_link = self.fleet.poke
         self.router = Router(
             self.health,
             key_prefix=settings.key_prefix,
@@ -262,6 +264,7 @@ class Listener:
             self.driver.stop()
             self.dispatcher.stop(self.settings.shutdown_timeout_s)
             self._fleet_stop.set()
+            self.fleet.poke()
             self.dispatcher.gate.interrupt()
             fleet.join(timeout=5)
             flow.join(timeout=5)
