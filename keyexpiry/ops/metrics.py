@@ -46,6 +46,7 @@ NAMES = (
     "keyexpiry_reconciliations_total",
     "keyexpiry_reconnects_total",
     "keyexpiry_redis_keys_lost_total",
+    "keyexpiry_keys_not_armed_total",
     "keyexpiry_thread_errors_total",
     "keyexpiry_inflight",
     "keyexpiry_subscribed",
@@ -462,6 +463,14 @@ class ListenerCollector(Collector):
             "Times this listener found Redis's marker key gone or replaced (FLUSHALL, FLUSHDB, "
             "a restart without persistence); each started a reconciliation.",
             lst.markers_lost,
+        )
+        arming = lst.dispatcher.arming
+        yield _counter(
+            "keyexpiry_keys_not_armed",
+            "Batches of retry, next-occurrence or re-armed keys (their rows committed) that "
+            "Redis refused or did not answer, or that found the arming queue full; the overdue "
+            "check re-arms those rows.",
+            arming.failed + arming.dropped,
         )
         yield _counter(
             "keyexpiry_reconnects", "Subscriptions dropped or rebuilt since start.", lst.gaps

@@ -21,6 +21,7 @@ from keyexpiry.ledger.store import Store
 from keyexpiry.log import SaidOnce, Tally
 from keyexpiry.redis.arming import arm_keys
 from keyexpiry.registry import Registry, TaskSpec
+from keyexpiry.runner.arming import Arming
 from keyexpiry.runner.gate import Gate
 from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
 from keyexpiry.runner.intake import INTAKE_MAX_KEYS, Intake
@@ -68,10 +69,12 @@ class Claimer:
         stats: DispatchStats,
         errors: ThreadErrors,
         gate: Gate,
+        arming: Arming,
     ) -> None:
         """Claims in `store` under tokens of `owner`; keys resolved by `registry`; a pending
         task whose key is gone re-armed in `redis`."""
         self.store, self.redis, self.clock = store, redis, clock
+        self._arming = arming
         self.settings, self.registry, self.owner = settings, registry, owner
         batch = settings.claim_batch
         self.intake = Intake(stats, batch * 4, max(INTAKE_MAX_KEYS, batch * 16))
@@ -395,17 +398,22 @@ class Claimer:
         if rowless:
             self._note_rowless(rowless)
         if rearm:
-            existing = self.redis.pipeline(transaction=False)
-            for row in rearm:
-                existing.exists(row.key)
-            present = existing.execute()
-            missing = [r for r, p in zip(rearm, present, strict=True) if not p]
-            arm_keys(
-                self.redis,
-                [(r.key, r.due_at_ms) for r in missing],
-                self.clock.now_ms(),
-                self.settings,
+            # On the arming thread: a node that stops answering must not hold every claim.
+            self._arming.submit(
+                f"{len(rearm)} unclaimed pending task(s) whose key may be gone",
+                lambda: self._rearm_missing(rearm),
             )
+
+    def _rearm_missing(self, rows: list[TaskRow]) -> None:
+        """Arm the keys of `rows` that Redis does not hold."""
+        existing = self.redis.pipeline(transaction=False)
+        for row in rows:
+            existing.exists(row.key)
+        present = existing.execute()
+        missing = [r for r, p in zip(rows, present, strict=True) if not p]
+        arm_keys(
+            self.redis, [(r.key, r.due_at_ms) for r in missing], self.clock.now_ms(), self.settings
+        )
 
     def _note_rowless(self, keys: list[str]) -> None:
         """A registered task's key with no row: a create whose commit the ledger lost (a

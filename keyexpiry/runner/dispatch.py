@@ -23,6 +23,7 @@ from loguru import logger
 from keyexpiry import threads
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import StoreError
+from keyexpiry.runner.arming import Arming
 from keyexpiry.runner.claimer import Claimer
 from keyexpiry.runner.executor import Executor, Watchdog
 from keyexpiry.runner.gate import Gate
@@ -57,6 +58,8 @@ class Dispatcher:
         )
         """Flow control: pauses, fleet-wide limits, rates and groups (`runner.gate`)."""
         self.inflight.on_leave = self.gate.release
+        self.arming = Arming(self.thread_errors)
+        """Keys of committed rows armed on a thread of their own (`runner.arming`)."""
         self.claimer = Claimer(
             store=rt.store,
             redis=rt.redis,
@@ -68,6 +71,7 @@ class Dispatcher:
             stats=self.stats,
             errors=self.thread_errors,
             gate=self.gate,
+            arming=self.arming,
         )
         self.executor = Executor(
             store=rt.store,
@@ -89,6 +93,7 @@ class Dispatcher:
             inflight=self.inflight,
             stats=self.stats,
             errors=self.thread_errors,
+            arming=self.arming,
         )
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -96,6 +101,7 @@ class Dispatcher:
         """Start the claimer, the recorder, the watchdog and the worker pool."""
         self._spawn("claimer", self.claimer.loop)
         self._spawn("recorder", lambda: self.recorder.loop(self._stopped))
+        self._spawn("arming", lambda: self.arming.loop(self._stopped))
         self._spawn("watchdog", self.watchdog.loop)
         for _ in range(self.settings.concurrency):
             self.executor.spawn_worker()
@@ -138,6 +144,8 @@ class Dispatcher:
             # The recorder may have taken the last batch just before us: wait for its write.
             while inflight.recording and monotonic_s() < flush_deadline:
                 inflight.cond.wait(0.05)
+        if not self.arming.drain(flush_deadline):
+            logger.warning("stopping with keys not yet armed; reconciliation will arm them")
         self._stopped.set()
         self.executor.coroutines.close()
         with inflight.cond:
@@ -150,7 +158,12 @@ class Dispatcher:
 
     def idle(self) -> bool:
         """Nothing queued, claimed, running or waiting to be recorded."""
-        return not self.backlog() and not self.claimer.claiming and self.inflight.quiet()
+        return (
+            not self.backlog()
+            and not self.claimer.claiming
+            and self.inflight.quiet()
+            and self.arming.idle()
+        )
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until `idle()`; False on timeout. A sync point for tests and the demo."""

@@ -16,6 +16,7 @@ from keyexpiry.errors import StoreError
 from keyexpiry.ledger.rows import Outcome, TaskStatus
 from keyexpiry.ledger.store import Store
 from keyexpiry.redis.arming import arm_keys
+from keyexpiry.runner.arming import Arming
 from keyexpiry.runner.inflight import DispatchStats, InFlight
 from keyexpiry.settings import Settings
 from keyexpiry.threads import Backoff, ThreadErrors
@@ -34,9 +35,12 @@ class Recorder:
         inflight: InFlight,
         stats: DispatchStats,
         errors: ThreadErrors,
+        arming: Arming,
     ) -> None:
-        """Outcomes written to `store`; retries and next occurrences armed in `redis`."""
+        """Outcomes written to `store`; retries and next occurrences armed in `redis` by
+        `arming`'s thread, once their rows are written."""
         self.store, self.redis, self.clock, self.settings = store, redis, clock, settings
+        self._arming = arming
         self._inflight = inflight
         self._stats = stats
         self._errors = errors
@@ -153,19 +157,19 @@ class Recorder:
             written.append(outcome)
         return written, locked
 
-    def _arm(self, items: list[tuple[str, int]]) -> None:
-        arm_keys(self.redis, items, self.clock.now_ms(), self.settings)
+    def _arm(self, what: str, items: list[tuple[str, int]]) -> None:
+        """Hand `items` to the arming thread: a Redis node that stops answering holds it, not
+        the recording of every outcome."""
+
+        def arm() -> None:
+            arm_keys(self.redis, items, self.clock.now_ms(), self.settings)
+
+        self._arming.submit(what, arm)
 
     def _arm_next_occurrences(self, items: list[tuple[str, int]]) -> None:
         """Arm the keys of schedules' next occurrences (their rows committed)."""
-        if not items:
-            return
-        try:
-            self._arm(list(dict(items).items()))
-        except redis.RedisError as exc:
-            logger.warning(
-                "could not arm {} next occurrence(s): {}; reconciliation will", len(items), exc
-            )
+        if items:
+            self._arm(f"{len(items)} next occurrence(s)", list(dict(items).items()))
 
     def _after_record(self, batch: list[Outcome]) -> None:
         retries = [o for o in batch if o.status is TaskStatus.PENDING]
@@ -179,9 +183,4 @@ class Recorder:
             else:
                 self._stats.retried += 1
         if retries:
-            try:
-                self._arm([(o.key, o.due_at_ms) for o in retries])
-            except redis.RedisError as exc:
-                logger.warning(
-                    "could not re-arm {} retry key(s): {}; reconciliation will", len(retries), exc
-                )
+            self._arm(f"{len(retries)} retry key(s)", [(o.key, o.due_at_ms) for o in retries])

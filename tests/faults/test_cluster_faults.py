@@ -14,6 +14,7 @@ from keyexpiry.bench.servers import ServerError, wait_until
 from keyexpiry.bench.servers.cluster import ClusterNode, LocalCluster
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import RedisUnavailableError
+from keyexpiry.keys import format_key, wake_channel
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.listener.cluster_subscription import ClusterSubscription
 from tests.ke import Running, make_settings, wait_status
@@ -281,14 +282,63 @@ def test_a_paused_primarys_due_tasks_run_from_the_ledger_before_it_answers_again
         assert _on(victim, keys, cluster) > 5
         pause_s = 12.0
         victim.command("CLIENT", "PAUSE", int(pause_s * 1000), "ALL")
-        paused_at = monotonic_s()
-        wait_until(
-            lambda: all(s is TaskStatus.DONE for s in _statuses(c, keys)),
-            pause_s - 2,
-            message="the paused primary's tasks waited for it",
-        )
-        assert monotonic_s() - paused_at < pause_s
+        _done_within(c, keys, monotonic_s() + pause_s - 2, "the paused primary's tasks waited")
         verdict.check(c, keys, timeout_s=30)
+
+
+def test_a_paused_primary_holds_back_no_outcome_of_the_other_primaries_tasks(
+    cluster_factory: ClusterFactory,
+    mysql_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    # Found by the Cluster soak (530f112): the retry key of a task on a paused primary, armed
+    # by the recorder after its outcome, held the recorder for the socket timeout, and with it
+    # the outcome of every task: tasks of the healthy primaries ran but stayed `running`, the
+    # listener's room for claims ran out, and throughput fell to a quarter until the pause
+    # ended. Keys are armed on a thread of their own now.
+    cluster = cluster_factory()
+    cfg = _without_quick_repairs(cluster, mysql_url, tmp_path)
+    with Client(cfg) as c:
+        start_listener(cfg)
+        # Not the wake channel's primary: a create publishes there and would wait for it.
+        wake_slot = key_slot(wake_channel(0, cfg.key_prefix).encode())
+        victim = next(
+            node
+            for node in cluster.primaries()
+            if not any(lo <= wake_slot <= hi for lo, hi in cluster.slots_of(node))
+        )
+        # Read before the pause: the slot table is asked of the nodes.
+        victim_slots = cluster.slots_of(victim)
+
+        def on_victim(key: str) -> bool:
+            return any(lo <= key_slot(key.encode()) <= hi for lo, hi in victim_slots)
+
+        failing = c.create_many(
+            TaskRequest("Probe.fail_once", (f"retried{i}",), ttl_ms=800) for i in range(30)
+        )
+        assert _on(victim, failing, cluster) > 3
+        # Created while the victim is paused: only keys the other primaries hold.
+        healthy_args = [
+            (f"healthy{i}",)
+            for i in range(400)
+            if not on_victim(format_key("Probe", "record", (f"healthy{i}",), prefix=cfg.key_prefix))
+        ][:40]
+        pause_s = 12.0
+        victim.command("CLIENT", "PAUSE", int(pause_s * 1000), "ALL")
+        paused_at = monotonic_s()
+        healthy = c.create_many(
+            TaskRequest("Probe.record", args, ttl_ms=3000 + 50 * i)
+            for i, args in enumerate(healthy_args)
+        )
+        assert not any(on_victim(k) for k in healthy)
+        assert monotonic_s() - paused_at < 2, "creating on the healthy primaries waited"
+        _done_within(c, healthy, paused_at + pause_s - 3, "the healthy primaries' outcomes waited")
+        verdict.check(c, healthy, timeout_s=30)
+        # Each failing task runs twice by design; every one ends done once its retry's key is
+        # armed on the primary that answers again.
+        wait_until(lambda: all(s is TaskStatus.DONE for s in _statuses(c, failing)), 30)
 
 
 def _without_quick_repairs(cluster: LocalCluster, db_url: str, tmp_path: Path) -> Settings:
@@ -296,6 +346,15 @@ def _without_quick_repairs(cluster: LocalCluster, db_url: str, tmp_path: Path) -
     the tasks in time."""
     return make_settings(
         cluster.url(), db_url, tmp_path, lease_check_s=60, stuck_after_s=60, canary_interval_s=60
+    )
+
+
+def _done_within(c: Client, keys: list[str], deadline_s: float, message: str) -> None:
+    """Every one of `keys` done by the monotonic `deadline_s` (a primary still paused)."""
+    wait_until(
+        lambda: all(s is TaskStatus.DONE for s in _statuses(c, keys)),
+        max(0.1, deadline_s - monotonic_s()),
+        message=message,
     )
 
 
