@@ -13,7 +13,9 @@ ends that node's subscription only; the others go on.
 
 from __future__ import annotations
 
+import queue
 import selectors
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +48,8 @@ REFRESH_S = 1.0
 """How often the slot table is read: a new primary is subscribed within about this long of the
 cluster announcing it (after a failover, the node timeout and the election come first)."""
 RESUBSCRIBE_CONFIRM_S = 1.0
-"""How long a refresh waits for a primary to confirm a subscription: every other primary's
-events wait meanwhile, so a node that does not answer (stalled) is tried again later."""
+"""How long a primary has to confirm a subscription made again (on a thread of its own, while
+the others' events are read); one that does not (stalled) is tried again later."""
 RESUBSCRIBE_BACKOFF_MAX_S = 8.0
 """A primary that failed to subscribe is tried again after 1 s, then twice as long each time,
 up to this."""
@@ -89,6 +91,12 @@ class ClusterSubscription(Subscription):
         """address -> (not before, backoff s): primaries whose subscription failed or stalled."""
         self.resubscribed = 0
         """Primaries subscribed after the first connect (failover, node added, reconnects)."""
+        self._joining: set[str] = set()
+        """Primaries being subscribed again on a thread of their own (`_join`)."""
+        self._joined: queue.SimpleQueue[tuple[str, _Feed | None, BaseException | None, int]]
+        self._joined = queue.SimpleQueue()
+        self._generation = 0
+        """Bumped by `close`: a subscription a join made for an earlier one is closed unused."""
 
     @property
     def addresses(self) -> list[str]:
@@ -138,7 +146,7 @@ class ClusterSubscription(Subscription):
         self.clock.sync()
         for address in topology.primaries:
             try:
-                self._subscribe(address, topology)
+                self._add_feed(self._open_feed(address, self._holds_wake(topology, address)))
             except CONNECTION_ERRORS as exc:
                 logger.warning("cannot subscribe to primary {} yet: {}", address, exc)
         if not self._feeds:
@@ -198,12 +206,15 @@ class ClusterSubscription(Subscription):
         # CONFIG blocked (None) on any primary: eviction cannot be ruled out.
         self._health.eviction_possible = any(p != "noeviction" for p in policies)
 
-    def _subscribe(self, address: str, topology: Topology, *, confirm_s: float = 10.0) -> None:
+    def _holds_wake(self, topology: Topology, address: str) -> bool:
+        return self.settings.driver and topology.owner(self._wake_slot) == address
+
+    def _open_feed(self, address: str, wake: bool, *, confirm_s: float = 10.0) -> _Feed:
+        """A subscription to `address`, confirmed, not yet read (`_add_feed` reads it)."""
         client = self.cluster.subscriber(address)
         pubsub: Any = client.pubsub()  # type: ignore[no-untyped-call]
         try:
             subscribe_confirmed(pubsub, [self.channel, self.evicted_channel], timeout_s=confirm_s)
-            wake = self.settings.driver and topology.owner(self._wake_slot) == address
             if wake:
                 _ssubscribe_confirmed(pubsub, self.wake_channel, confirm_s)
         except BaseException:
@@ -211,11 +222,84 @@ class ClusterSubscription(Subscription):
             client.close()
             raise
         pubsub.connection.register_connect_callback(self._on_reconnect)
-        feed = _Feed(address, client, pubsub, wake, heard_s=monotonic_s())
-        self._feeds[address] = feed
+        return _Feed(address, client, pubsub, wake, heard_s=monotonic_s())
+
+    def _add_feed(self, feed: _Feed) -> None:
+        feed.heard_s = monotonic_s()
+        self._feeds[feed.address] = feed
         self._register_sockets()
         if self.connected_once:
             self.resubscribed += 1
+
+    def _join(self, address: str, wake: bool) -> None:
+        """Subscribe `address` again on a thread of its own: a node that does not answer (a
+        paused or stalled primary: its connection's handshake waits for it) held the thread
+        that reads every primary's events, for seconds, at each try (the Cluster soak's
+        stalled primary made every task wait). `_take_joined` adds the result."""
+        self._joining.add(address)
+        generation = self._generation
+
+        def join() -> None:
+            try:
+                feed = self._open_feed(address, wake, confirm_s=RESUBSCRIBE_CONFIRM_S)
+            except Exception as exc:
+                self._joined.put((address, None, exc, generation))
+            else:
+                self._joined.put((address, feed, None, generation))
+
+        threading.Thread(target=join, name=f"keyexpiry-join-{address}", daemon=True).start()
+
+    def _take_joined(self) -> None:
+        """Add the subscriptions `_join` made (reconciling what their primaries' events missed
+        meanwhile); schedule another try for those that failed."""
+        added: list[str] = []
+        while True:
+            try:
+                address, feed, exc, generation = self._joined.get_nowait()
+            except queue.Empty:
+                break
+            self._joining.discard(address)
+            topology = self.topology
+            if feed is None:
+                _, backoff_s = self._retry.get(address, (0.0, 0.5))
+                backoff_s = min(backoff_s * 2, RESUBSCRIBE_BACKOFF_MAX_S)
+                self._retry[address] = (monotonic_s() + backoff_s, backoff_s)
+                logger.debug(
+                    "cannot subscribe to primary {} yet ({}); trying again in {:g} s",
+                    address,
+                    exc,
+                    backoff_s,
+                )
+                continue
+            stale = generation != self._generation or address in self._feeds
+            if stale or topology is None or address not in topology.slots:
+                self._close_unused(feed)
+                continue
+            if feed.wake != self._holds_wake(topology, address):
+                self._close_unused(feed)  # the wake channel moved meanwhile: joined again
+                continue
+            self._retry.pop(address, None)
+            self._add_feed(feed)
+            added.append(address)
+        if added and self.topology is not None:
+            self._check_nodes(self.topology, first=False)
+            self.gaps += 1
+            self._health.connection_gap()
+            logger.warning(
+                "cluster topology changed (subscribed to {}): now {}; reconciling what may have "
+                "expired unheard",
+                ", ".join(added),
+                self.topology.describe(),
+            )
+            self._request_reconcile("topology")
+
+    @staticmethod
+    def _close_unused(feed: _Feed) -> None:
+        try:
+            feed.pubsub.close()
+            feed.client.close()
+        except Exception:
+            pass
 
     # --- read ---------------------------------------------------------------------------------
     def step(self, timeout_s: float) -> int:
@@ -225,6 +309,7 @@ class ClusterSubscription(Subscription):
             # redis-py reconnected a node's pub/sub on a new socket: select the new ones.
             self._register_sockets()
         self._check_gaps()
+        self._take_joined()
         now_s = monotonic_s()
         if now_s >= self._next_refresh_s:
             self._refresh(now_s)
@@ -300,37 +385,18 @@ class ClusterSubscription(Subscription):
                     feed.pubsub.check_health()  # a quiet node's half-open socket shows here
                 except CONNECTION_ERRORS as exc:
                     self._lose(feed, f"health check failed ({exc})")
-        added = []
-        for address in topology.primaries:
-            if address in self._feeds:
-                continue
-            not_before_s, backoff_s = self._retry.get(address, (0.0, 0.5))
-            if now_s < not_before_s:
-                continue
-            try:
-                self._subscribe(address, topology, confirm_s=RESUBSCRIBE_CONFIRM_S)
-                added.append(address)
-                self._retry.pop(address, None)
-            except CONNECTION_ERRORS as exc:
-                backoff_s = min(backoff_s * 2, RESUBSCRIBE_BACKOFF_MAX_S)
-                self._retry[address] = (monotonic_s() + backoff_s, backoff_s)
-                logger.debug(
-                    "cannot subscribe to primary {} yet ({}); trying again in {:g} s",
-                    address,
-                    exc,
-                    backoff_s,
-                )
         self.topology = topology
-        if moved or added:
-            if added:
-                self._check_nodes(topology, first=False)
-                self.gaps += 1
-                self._health.connection_gap()
+        for address in topology.primaries:
+            if address in self._feeds or address in self._joining:
+                continue
+            not_before_s, _ = self._retry.get(address, (0.0, 0.5))
+            if now_s >= not_before_s:
+                self._join(address, self._holds_wake(topology, address))
+        if moved:
             logger.warning(
-                "cluster topology changed (slots moved on {}; subscribed to {}): now {}; "
-                "reconciling what may have expired unheard",
-                ", ".join(moved) or "none",
-                ", ".join(added) or "none",
+                "cluster topology changed (slots moved on {}): now {}; reconciling what may "
+                "have expired unheard",
+                ", ".join(moved),
                 topology.describe(),
             )
             self._request_reconcile("topology")
@@ -363,7 +429,16 @@ class ClusterSubscription(Subscription):
             pass
 
     def close(self) -> None:
-        """Drop every primary's subscription."""
+        """Drop every primary's subscription (those being joined are closed as they come)."""
+        self._generation += 1
+        while True:
+            try:
+                joined = self._joined.get_nowait()[1]
+            except queue.Empty:
+                break
+            if joined is not None:
+                self._close_unused(joined)
+        self._joining.clear()
         for feed in list(self._feeds.values()):
             self._close_feed(feed)
         # The selector holds the file objects of closed sockets otherwise.

@@ -246,7 +246,11 @@ class Health:
                     events_arriving=arriving,
                     mine=self._mine,
                 )
-        if not self.subscribed.is_set():
+        if not self.subscribed.is_set() or (not arriving and self.unheard_primaries()):
+            # While a Cluster primary goes unheard the ledger is the path, checked above every
+            # second; the canary or a sentinel key on that primary would hold this thread for
+            # the socket timeout, and with it those checks (the Cluster soak: a paused primary's
+            # due tasks waited out the pause on two listeners of three).
             return
         # The queries above take long on a loaded ledger: a canary sent at a time already past
         # would be judged lost before its event had the window it is due.

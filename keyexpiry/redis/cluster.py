@@ -249,8 +249,11 @@ class ClusterNodes:
         return client
 
     def subscriber(self, address: str) -> redis.Redis:
-        """A client for a subscription on `address`: no read timeout, a health check."""
-        return node_client(address, self.parsed, {**self.options, "socket_timeout": None})
+        """A client for a subscription on `address`, with a health check. Its reads wait for
+        a message only once select says one is there, so the read timeout bounds a message cut
+        off half-way, and a connection's handshake with a node that stopped answering (without
+        it, a subscription made again to a stalled primary waited for as long as it did)."""
+        return node_client(address, self.parsed, {**self.options, "socket_timeout": 10})
 
     def topology(self) -> Topology:
         """The slot table, from the first known node that answers (the last one that did
