@@ -181,16 +181,19 @@ class Health:
             self._request_reconcile("marker lost")
 
     def marker_loop(self, stop: threading.Event) -> None:
-        """`check_marker` once a second while subscribed, until `stop`; on a thread of its
-        own, since a primary that stops answering holds it for a socket timeout. Not while a
-        primary is unheard: it may not answer (it is reconciled when it is subscribed again)."""
+        """`check_marker` once a second while subscribed, until `stop`, and on a Cluster the
+        canary's step too; on a thread of its own, since a primary that stops answering holds
+        it for a socket timeout. Not while a primary is unheard: it may not answer (it is
+        reconciled when it is subscribed again)."""
         while not stop.wait(MARKER_EVERY_S):
             if not self.subscribed.is_set() or self.unheard_primaries():
                 continue
             try:
                 self.check_marker()
+                if self._on_cluster:
+                    self._canary_step(monotonic_s())
             except (redis.RedisError, OSError) as exc:
-                logger.debug("marker check failed: {}", exc)
+                logger.debug("marker or canary check failed: {}", exc)
 
     def _read_markers(self) -> tuple[int, int]:
         """(primaries whose marker changed since the last reading, primaries)."""
@@ -252,12 +255,23 @@ class Health:
             # the socket timeout, and with it those checks (the Cluster soak: a paused primary's
             # due tasks waited out the pause on two listeners of three).
             return
+        if self._on_cluster:
+            # The marker's thread sends the canary (`marker_loop`): one sent to a primary in the
+            # first second of its pause, before it is found unheard, waited in a new
+            # connection's handshake for the socket timeout, and held this thread, so the
+            # ledger runs above, for it.
+            return
         # The queries above take long on a loaded ledger: a canary sent at a time already past
         # would be judged lost before its event had the window it is due.
-        now_s += monotonic_s() - began_s
+        self._canary_step(now_s + monotonic_s() - began_s)
+
+    def _canary_step(self, now_s: float) -> None:
+        """Judge the canary in flight; send one when its interval has passed, or while events
+        are not arriving."""
         self._check_canary(now_s)
         if self._canary_sent_s is None and (
-            now_s - self._last_canary_s >= settings.canary_interval_s or not self.events_arriving
+            now_s - self._last_canary_s >= self.settings.canary_interval_s
+            or not self.events_arriving
         ):
             self._send_canary(now_s)
 

@@ -345,6 +345,38 @@ def test_a_paused_primary_holds_back_no_outcome_of_the_other_primaries_tasks(
         wait_until(lambda: all(s is TaskStatus.DONE for s in _statuses(c, failing)), 30)
 
 
+def test_a_paused_primary_holding_the_canary_stops_no_ledger_run(
+    cluster_factory: ClusterFactory,
+    mysql_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    # Found by the Cluster soak (4956a02): the periodic check that runs a paused primary's due
+    # tasks from the ledger sent the canary, which lives on that primary, in the first second
+    # of the pause (before the primary was found unheard), and waited out the socket timeout
+    # in a new connection's handshake; the ledger runs stopped with it. The canary is the
+    # marker thread's on a Cluster now.
+    cluster = cluster_factory()
+    cfg = make_settings(
+        cluster.url(), mysql_url, tmp_path, lease_check_s=60, stuck_after_s=60, canary_interval_s=1
+    )
+    with Client(cfg) as c:
+        running = start_listener(cfg)
+        canary_slot = key_slot(running.listener.health.canary.encode())
+        victim = next(
+            node
+            for node in cluster.primaries()
+            if any(lo <= canary_slot <= hi for lo, hi in cluster.slots_of(node))
+        )
+        keys = _tasks(c, "canary", 90, 5000, first_ms=3000)
+        assert _on(victim, keys, cluster) > 10
+        pause_s = 14.0
+        victim.command("CLIENT", "PAUSE", int(pause_s * 1000), "ALL")
+        _done_within(c, keys, monotonic_s() + pause_s - 3, "the ledger runs waited for the pause")
+        verdict.check(c, keys, timeout_s=30)
+
+
 def _without_quick_repairs(cluster: LocalCluster, db_url: str, tmp_path: Path) -> Settings:
     """Settings whose overdue check and canary wait a minute: only the path under test can run
     the tasks in time."""
