@@ -28,6 +28,7 @@ from keyexpiry.cli import app
 from keyexpiry.errors import ArgumentError, KeyExpiryError, KeyFormatError, UnknownTaskError
 from keyexpiry.keys import MAX_KEY_BYTES
 from keyexpiry.ledger.store import TaskStatus
+from keyexpiry.listener import subscription
 from keyexpiry.redis.arming import WAKE_MAX_BYTES
 from tests import sample_tasks
 from tests.conftest import RedisFactory
@@ -164,9 +165,14 @@ def test_a_33_mb_key_name_that_reaches_the_listener_costs_one_short_line_and_no_
     tmp_path: Path,
     start_listener: StartListener,
     log_lines: list[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Redis's default pubsub output limit (32 MB) would drop the subscriber before this event
-    # reached it (the next test); lifted here, the 33 MB event really arrives.
+    # reached it (the next test); lifted here, the 33 MB event really arrives. Building the
+    # key blocks Redis for a second or more on a loaded machine: the subscription's PING would
+    # go unanswered and the listener resubscribe (as it must for a stalled link), losing the
+    # event this test is about; its patience is lengthened here.
+    monkeypatch.setattr(subscription, "PROBE_PATIENCE_S", 30.0)
     server = redis_factory(args=["--client-output-buffer-limit", "pubsub 0 0 0"])
     settings = make_settings(server.url(0), db_url, tmp_path)
     running = start_listener(settings)
