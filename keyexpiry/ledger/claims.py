@@ -176,13 +176,17 @@ class ClaimQueries(Ledger):
         """Compile now the claim statements of every list size a batch of up to `max_batch`
         keys takes, and the statement recording successes without results at every size
         (outcomes gathered for 50 ms are not bound by the claim batch), instead of on first use
-        in a busy second (a big size took milliseconds, with every due task waiting); returns
-        how many were compiled. Successes with results compile on first use."""
+        in a busy second (a big size took milliseconds, with every due task waiting), and the
+        lease extension a run queued behind others needs when it starts; returns how many were
+        compiled. Successes with results compile on first use."""
+        # A wave's runs wait behind each other: the first to start past half its lease's grace
+        # extends it, and compiled it then, with every due task waiting.
+        self._prepare(_extend_lease)
         if self.postgres:
             # One statement each, for every batch size: their lists are bound as arrays.
             self._prepare(_claim_returning)
             self._prepare(record_done_by_arrays, False)
-            return 2
+            return 3
         every = sorted({list_size(n) for n in range(1, MAX_LIST + 1)})
         for size in every:
             self._prepare(record_done, size, False)
@@ -190,7 +194,7 @@ class ClaimQueries(Ledger):
         for size in claims:
             self._prepare(_claim_update, size)
             self._prepare(_claimed_rows, size)
-        return 2 * len(claims) + len(every)
+        return 1 + 2 * len(claims) + len(every)
 
     @retried_once
     def claim(
