@@ -249,17 +249,11 @@ class Health:
                     events_arriving=arriving,
                     mine=self._mine,
                 )
-        if not self.subscribed.is_set() or (not arriving and self.unheard_primaries()):
-            # While a Cluster primary goes unheard the ledger is the path, checked above every
-            # second; the canary or a sentinel key on that primary would hold this thread for
-            # the socket timeout, and with it those checks (the Cluster soak: a paused primary's
-            # due tasks waited out the pause on two listeners of three).
-            return
-        if self._on_cluster:
-            # The marker's thread sends the canary (`marker_loop`): one sent to a primary in the
-            # first second of its pause, before it is found unheard, waited in a new
-            # connection's handshake for the socket timeout, and held this thread, so the
-            # ledger runs above, for it.
+        if not self.subscribed.is_set() or self._on_cluster:
+            # On a Cluster the marker's thread sends the canary (`marker_loop`, which skips an
+            # unheard primary): one sent here to a paused primary waited out the socket timeout
+            # in a new connection's handshake and held this thread, and so the ledger runs
+            # above, with it (the Cluster soak: two listeners of three stopped them).
             return
         # The queries above take long on a loaded ledger: a canary sent at a time already past
         # would be judged lost before its event had the window it is due.

@@ -1,7 +1,10 @@
 """Prometheus metrics: what the listener's own threads observe (runs, lateness, handler time),
 what its parts already count (read at scrape time), and what the ledger holds (read with cheap
 indexed queries, cached, one at a time on a thread of their own, never on the listener's hot
-path; a scrape waits for them a bounded time)."""
+path; a scrape waits for them a bounded time).
+Long because it is one exporter: every metric family the listener exposes, each a few lines,
+beside the list of their names the docs and tests check.
+"""
 
 from __future__ import annotations
 
