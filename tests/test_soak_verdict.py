@@ -47,8 +47,9 @@ class Recorder:
         line = {"op": "create", "t_ms": ms(t_s), "i": i, "due_ms": ms(due_s), "kind": kind}
         self.produced.append({**line, "via": "plain", **({"ambiguous": True} if ambiguous else {})})
 
-    def reschedule(self, i: int, t_s: float, due_s: float) -> None:
-        self.produced.append({"op": "reschedule", "t_ms": ms(t_s), "i": i, "due_ms": ms(due_s)})
+    def reschedule(self, i: int, t_s: float, due_s: float, ambiguous: bool = False) -> None:
+        line = {"op": "reschedule", "t_ms": ms(t_s), "i": i, "due_ms": ms(due_s)}
+        self.produced.append({**line, **({"ambiguous": True} if ambiguous else {})})
 
     def cancel(self, i: int, t_s: float, ok: bool) -> None:
         self.produced.append({"op": "cancel", "t_ms": ms(t_s), "i": i, "ok": ok})
@@ -262,6 +263,24 @@ def test_a_second_run_of_an_ambiguous_create_retried_is_documented(rec: Recorder
     report = judge(rec)
     assert fate_ids(report, "ran_twice_documented") == [1]
     assert report["fates"]["ran_twice_documented"]["by_fault"] == {"ambiguous_create": 1}
+    assert fate_ids(report, "ran_twice_undocumented") == [2]
+
+
+def test_a_run_between_a_reschedule_and_its_retry_is_documented_only_when_flagged(
+    rec: Recorder,
+) -> None:
+    # The producer's reschedule failed, was retried past the old due (or may have committed):
+    # the task ran, then the retry created it again (CI on f536b30, a Cluster failover).
+    rec.create(1, due_s=10)
+    rec.run(1, 10.0, 10.1)
+    rec.reschedule(1, 9, due_s=14, ambiguous=True)
+    rec.run(1, 14.0, 14.1, pid=PID_B)
+    rec.create(2, due_s=10)
+    rec.run(2, 10.0, 10.1)
+    rec.reschedule(2, 9, due_s=14)
+    rec.run(2, 14.0, 14.1, pid=PID_B)
+    report = judge(rec)
+    assert fate_ids(report, "ran_twice_documented") == [1]
     assert fate_ids(report, "ran_twice_undocumented") == [2]
 
 

@@ -358,10 +358,17 @@ class Producer:
 
     def _create(self, batch: list[tuple[int, TaskRequest]], via: str) -> None:
         requests = [r for _, r in batch]
-        ambiguous = False
+        ambiguous = recorded = False
+        keys = [self.ke.key_for(r.target, *r.args) for r in requests]
+
+        def read_back() -> list[int]:
+            rows = self.ke.store.get_many(keys)
+            return [rows[k].due_at_ms for k in keys]
 
         def create() -> list[int]:
-            nonlocal ambiguous
+            nonlocal ambiguous, recorded
+            if recorded:
+                return read_back()
             try:
                 if via != "tx":
                     return [s.due_at_ms for s in self.ke.create_many(requests)]
@@ -378,11 +385,10 @@ class Producer:
                     return dues
             except RedisUnavailableError:
                 # Recorded, its key not set: reconciliation arms it. Creating it again could
-                # run it twice (GUARANTEES window 3), so read the due times back instead.
-                rows = self.ke.store.get_many(
-                    [self.ke.key_for(r.target, *r.args) for r in requests]
-                )
-                return [rows[self.ke.key_for(r.target, *r.args)].due_at_ms for r in requests]
+                # run it twice (GUARANTEES window 3), so read the due times back instead, and
+                # only that on a retry.
+                recorded = True
+                return read_back()
             except StoreError as exc:
                 # May have committed: creating it again is the documented retry, and a run in
                 # between runs again (window 3). The verdict is told.
@@ -415,9 +421,37 @@ class Producer:
         if t is None:
             return
         ttl_ms = self.MARGIN_MS + int(self._due_s() * 1000)
-        done, _ = self._retrying("reschedule", lambda: self.ke.create(Soak.run, t.i, ttl_ms=ttl_ms))
-        t.due_ms = int(done.due_at_ms)
-        self.out.write({"op": "reschedule", "t_ms": _now_ms(), "i": t.i, "due_ms": t.due_ms})
+        key = self.ke.key_for(Soak.run, t.i)
+        old_due_ms = t.due_ms
+        applied_ms = 0  # when the call that set the new due began
+        recorded = ambiguous = False
+
+        def reschedule() -> int:
+            nonlocal applied_ms, recorded, ambiguous
+            if not recorded:
+                applied_ms = _now_ms()
+                try:
+                    return int(self.ke.create(Soak.run, t.i, ttl_ms=ttl_ms).due_at_ms)
+                except RedisUnavailableError:
+                    # Recorded, its key not set (reconciliation arms it): creating it again
+                    # would re-create a task that may have run by then (seen in CI during a
+                    # Cluster failover: the retry ran it a second time). Read the due back.
+                    recorded = True
+                except StoreError as exc:
+                    ambiguous = ambiguous or exc.maybe_applied
+                    raise
+                except Exception:
+                    ambiguous = True  # applied or not: unknown
+                    raise
+            return int(self.ke.store.get_many([key])[key].due_at_ms)
+
+        due_ms, failed = self._retrying("reschedule", reschedule)
+        # Retries that outlast the old due let the task run at it, and the reschedule that then
+        # succeeds creates it again: two runs, both asked for (GUARANTEES window 3).
+        ambiguous = ambiguous or (failed > 0 and _now_ms() >= old_due_ms)
+        t.due_ms = due_ms
+        line = {"op": "reschedule", "t_ms": applied_ms, "i": t.i, "due_ms": due_ms}
+        self.out.write({**line, **({"ambiguous": True} if ambiguous else {})})
 
     def _cancel(self) -> None:
         t = self._pick()
@@ -814,6 +848,11 @@ def summary(report: dict[str, Any]) -> str:
     tp = v["throughput"]["ok_ends_per_s"]
     lines.append(f"  steady ok ends/s: min {tp['min']} / median {tp['p50']} / max {tp['max']}")
     lines += [f"  FAILURE: {line}" for line in v["failures"]]
+    # A CI log is often all that is left of a failed short soak: the offending tasks' whole
+    # history (runs, pids, clocks, window hints) goes with the verdict.
+    for name in ("ran_twice_undocumented", "ran_after_cancel", "dead_short", "lost"):
+        for example in v["fates"].get(name, {}).get("examples", [])[:3]:
+            lines.append(f"  {name}: {json.dumps(example, separators=(',', ':'))[:1500]}")
     return "\n".join(lines)
 
 

@@ -48,8 +48,9 @@ class Task:
     )
     runs: list[Run] = field(default_factory=list)
     ambiguous: bool = False
-    """Its create was retried after a call that may have committed (the ledger's answer was
-    lost): a run between the two is followed by another (GUARANTEES window 3)."""
+    """Its create or a reschedule was retried after a call that may have committed (the
+    ledger's answer was lost), or retried past its due: a run between the two is followed by
+    another (GUARANTEES window 3)."""
 
     def due_at(self, t_ms: int) -> int:
         """The due the producer had last set at `t_ms` (its first one if none was set yet)."""
@@ -144,6 +145,7 @@ def _read_produced(path: Path, anomalies: Counter[str]) -> tuple[dict[int, Task]
                 anomalies[f"{op}_of_unknown_task"] += 1
             elif op == "reschedule":
                 task.reschedules += ((int(row["t_ms"]), int(row["due_ms"])),)
+                task.ambiguous = task.ambiguous or bool(row.get("ambiguous", False))
             else:
                 task.cancels += ((int(row["t_ms"]), bool(row["ok"])),)
     for tag in tags:
