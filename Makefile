@@ -49,17 +49,19 @@ listen: $(RUN_STAMP)
 ## faketime, the headless Chromium the dashboard's browser test drives, the `mariadb` and
 ## `redis-cli` clients docs/PROTOCOL.md's test creates tasks with, PHP with PDO MySQL, PDO PostgreSQL and phpredis
 ## the PHP producer's test (contrib/php) runs, and the Galera provider, rsync for its state
-## transfers and HAProxy the fault suite's Galera cluster needs)
+## transfers and HAProxy the fault suite's Galera cluster needs, Patroni and etcd for its
+## PostgreSQL-under-Patroni ledger)
 servers:
 	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null && command -v faketime >/dev/null \
 	  && command -v chromium >/dev/null && command -v mariadb >/dev/null && command -v redis-cli >/dev/null \
 	  && test -f /usr/lib/galera/libgalera_smm.so && command -v rsync >/dev/null \
 	  && command -v haproxy >/dev/null && ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 \
+	  && command -v patroni >/dev/null && command -v etcd >/dev/null \
 	  && command -v php >/dev/null \
 	  && php -r 'exit(extension_loaded("pdo_mysql") && extension_loaded("pdo_pgsql") && extension_loaded("redis") ? 0 : 1);' \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	  redis-server redis-tools mariadb-server mariadb-client faketime chromium galera-4 rsync haproxy \
-	  postgresql php-cli php-mysql php-pgsql php-redis; }
+	  postgresql patroni etcd-server php-cli php-mysql php-pgsql php-redis; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check keyexpiry tasks tests examples

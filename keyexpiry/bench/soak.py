@@ -58,6 +58,7 @@ from keyexpiry.bench.servers import (
     free_port,
     wait_until,
 )
+from keyexpiry.bench.servers.patroni import PatroniCluster
 from keyexpiry.bench.soak_redis import SENTINEL_FAULTS, soak_redis
 from keyexpiry.bench.soak_tasks import HISTORY_DIR_ENV, Soak, kind
 from keyexpiry.errors import RedisUnavailableError, StoreError
@@ -93,9 +94,11 @@ class SoakConfig:
     faults: tuple[str, ...] | None = None
     """The rotation; None: the Redis's own (`soak_redis`)."""
     ledger: str = "mariadb"
+    """The ledger: `mariadb` or `postgres` (restarted by the `ledger_restart` fault), or
+    `patroni` / `patroni-sync`: PostgreSQL primary and standby under Patroni, asynchronous or
+    synchronous replication, whose faults replace the restart (`PATRONI_FAULTS`)."""
     redis: str = "sentinel"
     """The Redis: `sentinel` or `cluster`."""
-    """The ledger's engine: `mariadb` or `postgres` (restarted by the `ledger_restart` fault)."""
 
     @classmethod
     def quick(cls, minutes: float = 2.0) -> SoakConfig:
@@ -115,14 +118,25 @@ def _redis_description(kind: str) -> str:
     return text[0].upper() + text[1:]
 
 
+PATRONI_FAULTS = ("pg_kill_primary", "pg_switchover", "etcd_leader_lost")
+"""What a Patroni ledger goes through in place of `ledger_restart`."""
+LOST_COMMIT_WINDOW_MS = 2000
+"""With asynchronous replication, how long before a primary's loss a commit it answered may be
+missing on the promoted standby (the verdict's documented window; Patroni promotes a standby
+at most `maximum_lag_on_failover` behind)."""
+
+
 def ledger_name(ledger: str) -> str:
     """How the report names the ledger's engine."""
+    if ledger.startswith("patroni"):
+        mode = "synchronous" if ledger == "patroni-sync" else "asynchronous"
+        return f"PostgreSQL under Patroni ({mode} replication)"
     return "PostgreSQL" if ledger == "postgres" else "MariaDB"
 
 
 def _ledger_version(ledger: str, m: dict[str, Any]) -> str:
     """`10.11.19-MariaDB-0+deb12u1` or `PostgreSQL 15.14`, from the machine's server lines."""
-    if ledger == "postgres":
+    if ledger == "postgres" or ledger.startswith("patroni"):
         return f"PostgreSQL {str(m.get('postgres', '?')).split()[-1]}"
     return str(m.get("mariadb", "?")).split(" Ver ")[-1].split(" for ")[0]
 
@@ -152,6 +166,7 @@ class _Slot:
 
     index: int
     redis_url: str
+    db_url: str
     log: Path
     http_port: int
     proc: subprocess.Popen[bytes] | None = None
@@ -162,10 +177,18 @@ class _Slot:
 class Fleet:
     """The listener processes, restarted by a supervisor thread whenever one exits."""
 
-    def __init__(self, run_dir: Path, db_url: str, redis_urls: list[str], cfg: SoakConfig) -> None:
-        self.run_dir, self.db_url, self.cfg = run_dir, db_url, cfg
+    def __init__(
+        self, run_dir: Path, db_urls: list[str], redis_urls: list[str], cfg: SoakConfig
+    ) -> None:
+        self.run_dir, self.cfg = run_dir, cfg
         self.slots = [
-            _Slot(i, url, run_dir / f"listener-{i}.log", free_port())
+            _Slot(
+                i,
+                url,
+                db_urls[min(i, len(db_urls) - 1)],
+                run_dir / f"listener-{i}.log",
+                free_port(),
+            )
             for i, url in enumerate(redis_urls)
         ]
         self.incarnations = _Lines(run_dir / "listeners.jsonl")
@@ -181,7 +204,7 @@ class Fleet:
             HISTORY_DIR_ENV: str(self.run_dir),
             "KEYEXPIRY_TASKS": "keyexpiry.bench.soak_tasks",
             "KEYEXPIRY_REDIS_URL": slot.redis_url,
-            "KEYEXPIRY_DATABASE_URL": self.db_url,
+            "KEYEXPIRY_DATABASE_URL": slot.db_url,
             "KEYEXPIRY_CONCURRENCY": str(cfg.concurrency),
             "KEYEXPIRY_RETRY_SCHEDULE_S": ",".join(map(str, RETRY_SCHEDULE_S)),
             "KEYEXPIRY_RETAIN_DONE_S": str(cfg.retain_done_s),
@@ -497,11 +520,14 @@ class SoakRun:
         work = run_dir / "servers"
         binary = redis_server_binary()
         self.redis = soak_redis(cfg.redis, work, binary)
-        self.ledger: MariaDBServer | PostgresServer = (
-            PostgresServer(work / "postgres")
-            if cfg.ledger == "postgres"
-            else MariaDBServer(work / "mariadb")
-        )
+        self.ledger: MariaDBServer | PostgresServer | PatroniCluster
+        if cfg.ledger.startswith("patroni"):
+            synchronous = cfg.ledger == "patroni-sync"
+            self.ledger = PatroniCluster(work / "patroni", synchronous=synchronous)
+        elif cfg.ledger == "postgres":
+            self.ledger = PostgresServer(work / "postgres")
+        else:
+            self.ledger = MariaDBServer(work / "mariadb")
         self.faults = _Lines(run_dir / "faults.jsonl")
         self.samples = _Lines(run_dir / "samples.jsonl")
         self.stop = threading.Event()
@@ -512,14 +538,19 @@ class SoakRun:
     # -- servers ------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def servers(self) -> Iterator[tuple[list[str], str]]:
-        """The Redis (`soak_redis`) and the ledger; yields the listeners' Redis URLs and the
-        ledger URL."""
+    def servers(self) -> Iterator[tuple[list[str], list[str]]]:
+        """The Redis (`soak_redis`) and the ledger; yields the listeners' Redis URLs and ledger
+        URLs (listener i takes the i-th, or the last; the producer the last)."""
         self.redis.start()
         try:
             self.ledger.start()
             db_url = self.ledger.create_database("soak")
-            yield self.redis.listener_urls(self.cfg.listeners), db_url
+            db_urls = [db_url]
+            if isinstance(self.ledger, PatroniCluster):
+                # As teams run it: most listeners name every node (libpq picks the one taking
+                # writes), one goes through HAProxy and Patroni's health check.
+                db_urls = [self.ledger.proxy_url("soak"), db_url]
+            yield self.redis.listener_urls(self.cfg.listeners), db_urls
         finally:
             for stop in (self.ledger.stop, self.redis.stop):
                 with contextlib.suppress(Exception):
@@ -550,9 +581,11 @@ class SoakRun:
     def run(self) -> dict[str, Any]:
         """Run the whole soak; returns the report (also written as `soak.json`)."""
         cfg = self.cfg
-        with self.servers() as (urls, db_url):
-            fleet = self.fleet = Fleet(self.run_dir, db_url, urls, cfg)
-            settings = Settings(redis_url=self.redis.url(), database_url=db_url, sentinel_count=0)
+        with self.servers() as (urls, db_urls):
+            fleet = self.fleet = Fleet(self.run_dir, db_urls, urls, cfg)
+            settings = Settings(
+                redis_url=self.redis.url(), database_url=db_urls[-1], sentinel_count=0
+            )
             ke = Client(settings)
             try:
                 fleet.start()
@@ -610,6 +643,10 @@ class SoakRun:
             "retain_done_s": cfg.retain_done_s,
             "prune_every_s": cfg.prune_every_s,
             "rate_per_s": cfg.rate_per_s,
+            # Asynchronous replication: a primary lost may take its last commits with it
+            # (GUARANTEES, PostgreSQL under Patroni); the verdict documents what that explains.
+            "lost_commit_faults": ["pg_kill_primary"] if cfg.ledger == "patroni" else [],
+            "lost_commit_window_ms": LOST_COMMIT_WINDOW_MS,
         }
         return {
             "config": asdict(cfg),
@@ -644,6 +681,8 @@ class SoakRun:
             return None
 
     def _ports(self) -> tuple[set[int], set[int]]:
+        if isinstance(self.ledger, PatroniCluster):
+            return self.redis.ports(), self.ledger.ports
         return self.redis.ports(), {self.ledger.port}
 
     def _sample_loop(self, fleet: Fleet, ke: Client) -> None:
@@ -692,6 +731,9 @@ class SoakRun:
     def _fault_loop(self, fleet: Fleet, t0: float, produce_s: float) -> None:
         turn = 0
         rotation = list(self.cfg.faults or self.redis.faults)
+        if self.cfg.faults is None and isinstance(self.ledger, PatroniCluster):
+            i = rotation.index("ledger_restart")
+            rotation[i : i + 1] = PATRONI_FAULTS
         victims = {"kill9": 0, "sigstop": 1}
         while True:
             at = t0 + (turn + 1) * self.cfg.fault_every_s
@@ -751,7 +793,16 @@ class SoakRun:
         if name == "pubsub_kill":
             killed = sum(self._on_primaries(_kill_pubsub))
             return f"{killed} pubsub connections killed, {self._ready()}"
+        if isinstance(self.ledger, PatroniCluster) and name in PATRONI_FAULTS:
+            patroni = self.ledger
+            action = {
+                "pg_kill_primary": patroni.kill_primary,
+                "pg_switchover": patroni.switchover,
+                "etcd_leader_lost": patroni.etcd_leader_lost,
+            }[name]
+            return f"{action()}, {self._ready()}"
         if name == "ledger_restart":
+            assert not isinstance(self.ledger, PatroniCluster)
             self.ledger.restart()
             return f"{ledger_name(self.cfg.ledger)} stopped and started, {self._ready()}"
         if name == "flushall":

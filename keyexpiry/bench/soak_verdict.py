@@ -3,7 +3,10 @@
 
 - each task's fate from its history alone: ran once, dead by design, cancelled, ran twice in a
   window `docs/GUARANTEES.md` documents ("Where a task may run twice", window 1: a killed or
-  frozen handler) or not, ran after a cancel, lost; and whether any run started early;
+  frozen handler) or not, ran after a cancel, lost; and whether any run started early; with
+  asynchronous replication (`params["lost_commit_faults"]`), what a change committed just
+  before the primary was lost explains: a second run, a run after a cancel or early, a create
+  that never ran (`lost_with_commit`);
 - lateness (first start minus the producer's due), outside and inside fault windows (inside: the
   task's wait, from its due to its first start, met a fault's window);
 - growth of every listener process (RSS, descriptors, threads, connections), of Redis memory and
@@ -39,6 +42,9 @@ WINDOW1_FAULTS = ("kill9", "sigstop")
 """Faults that open GUARANTEES window 1 by default (a killed or frozen handler); a run's
 `params["window1_faults"]` overrides it (a `stall` cuts a listener off from the database, which
 GUARANTEES also puts in window 1)."""
+LOST_COMMIT_SLACK_MS = 500
+"""After a lost-commit fault's start stamp, how long the primary may still have answered (the
+fault finds the primary, then kills it)."""
 GROWTH_METRICS = ("rss_mb", "fds", "threads", "ledger_conns", "redis_conns")
 INTEGER_METRICS = frozenset({"fds", "threads", "ledger_conns", "redis_conns"})
 MIN_GROWTH_SAMPLES = 6
@@ -56,6 +62,7 @@ FATES = (
     "dead_ran_ok",
     "cancelled",
     "lost",
+    "lost_with_commit",
     "unfinished",
 )
 FAILED_FATES = frozenset(
@@ -75,6 +82,13 @@ class _Context:
     # pid -> (fault start, kind) of the window-1 faults that hit it
     window1_hits: dict[int, list[tuple[int, str]]]
     faults: list[Fault]
+    # (from, to, kind): while a fault that may lose commits lasted, and the window before it
+    # in which a commit answered may be missing afterwards (asynchronous replication)
+    lost_commit: tuple[tuple[int, int, str], ...] = ()
+
+    def undone_by(self, t_ms: int) -> str | None:
+        """The fault that may have undone a change committed at `t_ms`, or None."""
+        return next((kind for lo, hi, kind in self.lost_commit if lo <= t_ms <= hi), None)
 
 
 @dataclass(frozen=True)
@@ -93,7 +107,17 @@ def _context(faults: list[Fault], params: dict[str, Any]) -> _Context:
         if f.kind in window1:
             for pid in f.pids:
                 hits[pid].append((f.start_ms, f.kind))
+    lost_kinds = frozenset(params.get("lost_commit_faults", ()))
+    window_ms = int(params.get("lost_commit_window_ms", 0))
+    # Only what the lost primary had answered before it went: a commit answered after the
+    # fault began was answered by the new one, and losing it is a defect.
+    lost_commit = tuple(
+        (f.start_ms - window_ms, f.start_ms + LOST_COMMIT_SLACK_MS, f.kind)
+        for f in faults
+        if f.kind in lost_kinds
+    )
     return _Context(
+        lost_commit=lost_commit,
         max_attempts=int(params["max_attempts"]),
         end_ms=int(params["end_ms"]),
         unfinished_grace_ms=int(float(params.get("unfinished_grace_s", 0)) * 1000),
@@ -139,6 +163,12 @@ def _documenting_fault(task: Task, extra: Run, ctx: _Context) -> str | None:
     for earlier in _earlier_candidates(task, extra):
         for start_ms, kind in ctx.window1_hits.get(earlier.pid, ()):
             if earlier.start_ms <= start_ms <= extra.start_ms:
+                return kind
+        # Its claim or its outcome committed just before the primary was lost, and missing
+        # on the promoted standby: the task runs again.
+        for lo, hi, kind in ctx.lost_commit:
+            last_ms = earlier.end_ms if earlier.end_ms is not None else earlier.start_ms
+            if earlier.start_ms <= hi and last_ms >= lo and extra.start_ms >= lo:
                 return kind
     if task.ambiguous:
         return "ambiguous_create"
@@ -193,7 +223,10 @@ def _dead_fate(task: Task, ctx: _Context) -> Fate:
         return Fate("dead_by_design")
     if _cancelled_untouched(task):
         return Fate("cancelled")
-    return Fate("unfinished" if _is_unfinished(task, ctx) else "dead_short")
+    if _is_unfinished(task, ctx):
+        return Fate("unfinished")
+    kind = ctx.undone_by(task.created_ms) if not task.runs else None
+    return Fate("dead_short") if kind is None else Fate("lost_with_commit", (kind,))
 
 
 def _ran_fate(task: Task, ctx: _Context) -> Fate:
@@ -216,7 +249,11 @@ def _ran_fate(task: Task, ctx: _Context) -> Fate:
 def _fate_of(task: Task, ctx: _Context) -> Fate:
     """Classify one task from its history (see the module docstring and FATES)."""
     cancel_ms = task.cancel_ok_ms
-    if cancel_ms is not None and any(r.start_ms > cancel_ms for r in task.runs):
+    if (
+        cancel_ms is not None
+        and any(r.start_ms > cancel_ms for r in task.runs)
+        and ctx.undone_by(cancel_ms) is None
+    ):
         return Fate("ran_after_cancel")
     if task.kind == "dead":
         return _dead_fate(task, ctx)
@@ -224,12 +261,26 @@ def _fate_of(task: Task, ctx: _Context) -> Fate:
         return _ran_fate(task, ctx)
     if _cancelled_untouched(task):
         return Fate("cancelled")
-    return Fate("unfinished" if _is_unfinished(task, ctx) else "lost")
+    if _is_unfinished(task, ctx):
+        return Fate("unfinished")
+    kind = ctx.undone_by(task.created_ms)
+    return Fate("lost") if kind is None else Fate("lost_with_commit", (kind,))
 
 
-def early_starts(task: Task) -> list[Run]:
-    """Starts more than EARLY_TOLERANCE_MS before the producer's due at that moment."""
-    return [r for r in task.runs if r.start_ms < task.due_at(r.start_ms) - EARLY_TOLERANCE_MS]
+def early_starts(task: Task, ctx: _Context | None = None) -> list[Run]:
+    """Starts more than EARLY_TOLERANCE_MS before the producer's due at that moment (unless
+    the reschedule that set it may have been undone with the primary that committed it)."""
+    return [
+        r
+        for r in task.runs
+        if r.start_ms < task.due_at(r.start_ms) - EARLY_TOLERANCE_MS
+        and not (ctx is not None and _reschedule_undone(task, r.start_ms, ctx))
+    ]
+
+
+def _reschedule_undone(task: Task, t_ms: int, ctx: _Context) -> bool:
+    set_ms = max((s for s, _ in task.reschedules if s <= t_ms), default=None)
+    return set_ms is not None and ctx.undone_by(set_ms) is not None
 
 
 def first_start_lateness(task: Task) -> tuple[int, int] | None:
@@ -310,7 +361,7 @@ def _fates_section(history: History, ctx: _Context, examples: int) -> dict[str, 
         task = history.tasks[i]
         fate = _fate_of(task, ctx)
         by_fate[fate.name].append((task, fate))
-        early = early_starts(task)
+        early = early_starts(task, ctx)
         if early:
             early_count += len(early)
             early_tasks.append(task)

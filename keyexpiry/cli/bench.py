@@ -33,7 +33,8 @@ def bench(
         "mariadb",
         "--backend",
         help="mariadb, postgres or sqlite; several, comma-separated, run side by side "
-        "(e.g. mariadb,postgres).",
+        "(e.g. mariadb,postgres). soak: mariadb, postgres, or patroni / patroni-sync "
+        "(PostgreSQL under Patroni, asynchronous / synchronous replication).",
     ),
     quick: bool = typer.Option(
         False, "--quick", help="A fifth of the sizes (ledger: 1 M rows, not 10 M)."
@@ -58,7 +59,8 @@ def bench(
     names = list(scenario or DEFAULT_SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     backends = backend.split(",")
-    if unknown or not set(backends) <= {"mariadb", "postgres", "sqlite"}:
+    soak_only = {"patroni", "patroni-sync"} if "soak" in names else set()
+    if unknown or not set(backends) <= {"mariadb", "postgres", "sqlite", *soak_only}:
         raise ConfigError(f"unknown scenario/backend: {unknown or backend}")
     if "soak" in names:
         others = [n for n in names if n != "soak"]
@@ -73,15 +75,20 @@ def _soak(
     minutes: float, *, quick: bool, others: list[str], backends: list[str], redis: str
 ) -> None:
     """`bench --scenario soak`: its own servers (Redis behind Sentinel and HAProxy, or a Redis
-    Cluster, `--redis`; the ledger of `--backend`: MariaDB or PostgreSQL), its own report."""
+    Cluster, `--redis`; the ledger of `--backend`: MariaDB, PostgreSQL, or PostgreSQL under
+    Patroni), its own report."""
     from dataclasses import replace
 
     from keyexpiry.bench import soak
 
+    patroni_ledgers = ("patroni", "patroni-sync")
+
     if others:
         raise ConfigError(f"soak runs alone, not with {', '.join(others)}")
-    if len(backends) != 1 or backends[0] not in ("mariadb", "postgres"):
-        raise ConfigError("the soak's ledger is one of mariadb, postgres (--backend)")
+    if len(backends) != 1 or backends[0] not in ("mariadb", "postgres", *patroni_ledgers):
+        raise ConfigError(
+            "the soak's ledger is one of mariadb, postgres, patroni, patroni-sync (--backend)"
+        )
     if redis not in ("sentinel", "cluster"):
         raise ConfigError("the soak's Redis is sentinel or cluster (--redis)")
     cfg = soak.SoakConfig.quick(minutes if minutes != 10.0 else 2.0) if quick else None

@@ -19,6 +19,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 from keyexpiry.errors import StoreError
 from keyexpiry.ledger.engine import autocommit_engine, error_code, not_serving
+from keyexpiry.ledger.reconnects import Reconnects
 from keyexpiry.ledger.upsert import LiteralUpsert, upsert_statement
 from keyexpiry.masking import mask_url
 
@@ -160,6 +161,11 @@ class Ledger:
         self._array_upsert: str | None = None
         self._scalar_upsert: str | None = None
         self._autocommit = autocommit_engine(engine) if pymysql or self.postgres else None
+        self.reconnects = Reconnects()
+        """New connections opened (both pools): what a thread backing off waits on."""
+        for pool in (engine, self._autocommit):
+            if pool is not None:
+                self.reconnects.watch(pool)
         self._url = mask_url(engine.url.render_as_string(hide_password=True))
         self._schema_lock = threading.Lock()
         self._prepared: dict[Hashable, Prepared] = {}

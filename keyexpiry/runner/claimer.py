@@ -148,6 +148,7 @@ class Claimer:
                 # A dead claimer would leave the keys marked queued, and every later sighting
                 # of them ignored.
                 self._stats.store_errors += 1
+                seen = self.store.reconnects.count
                 if self._unsettled is None:
                     self.intake.requeue(batch)
                 wait_s = backoff.next_s()
@@ -163,7 +164,11 @@ class Claimer:
                     logger.exception(
                         "claiming {} task(s) failed; retrying in {:.1f} s", len(batch), wait_s
                     )
-                self.stop.wait(wait_s)
+                # Until the ledger takes a new connection (another thread got through), not the
+                # whole backoff: a failover's backlog runs once the new primary answers.
+                self.store.reconnects.pause(
+                    self.stop, seen, wait_s, min_s=self.settings.reconnect_initial_s
+                )
             finally:
                 self.claiming = False
 

@@ -4,7 +4,6 @@ a database outage holds them (never loses them), a locked or refused row holds b
 from __future__ import annotations
 
 import threading
-import time
 
 import redis
 from loguru import logger
@@ -44,6 +43,8 @@ class Recorder:
         self._inflight = inflight
         self._stats = stats
         self._errors = errors
+        # flush() retries until its deadline whatever stops the loop: its pause has no stop.
+        self._never = threading.Event()
 
     def loop(self, stopped: threading.Event) -> None:
         """Record as outcomes arrive until `stopped` is set."""
@@ -80,6 +81,7 @@ class Recorder:
                         continue
                     exc = StoreError(f"{len(batch)} outcome(s) not recorded")
                 self._stats.store_errors += 1
+                seen = self.store.reconnects.count
                 if isinstance(exc, StoreError) and exc.lock_timeout and len(batch) > 1:
                     written, batch = self._record_around_locks(batch)
                     self._after_record(written)
@@ -102,7 +104,10 @@ class Recorder:
                     exc,
                     wait_s,
                 )
-                time.sleep(wait_s)
+                # Shortened when the ledger takes a new connection: as the claimer's.
+                self.store.reconnects.pause(
+                    self._never, seen, wait_s, min_s=self.settings.reconnect_initial_s
+                )
                 continue
             self._after_record(batch)
             inflight.recorded(len(batch))

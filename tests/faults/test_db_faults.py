@@ -125,25 +125,62 @@ def test_a_claim_lost_in_a_failover_runs_once_the_ledger_answers(
     # With a long lease (35 s) only settling the claim under its token runs these tasks in
     # time; with one shorter than the outage (1 s) the settled runs must first extend the lease
     # their lost claim set, under the token, or find the rows taken over: once either way.
-    proxy.break_statement(updates_status("running"), fault="reply", failover_s=2.0)
     cfg = make_settings(
         redis_url, proxy.url, tmp_path, handler_timeout_s=timeout_s, lease_grace_s=grace_s
     )
-    running = start_listener(cfg)
-    keys = ledger.create_many(
-        TaskRequest("Probe.record", (f"fo{i}",), ttl_ms=300 + 10 * i) for i in range(10)
-    )
-    wait_until(lambda: proxy.answering_again_s is not None, 15, message="no failover happened")
-    back_ms = ledger.clock.now_ms()
-    verdict.check(ledger, keys, timeout_s=20, since_ms=back_ms)
-    rows = ledger.store.get_many(keys).values()
-    # Finished, not claimed: rows the lost commit took keep that commit's start time.
-    late_ms = max((r.finished_at_ms or 0) for r in rows) - back_ms
+    running, keys, late_ms = _through_an_outage(ledger, proxy, start_listener, verdict, cfg, 2.0)
     assert late_ms < 3000, f"the last task finished {late_ms} ms after the ledger answered"
+    rows = ledger.store.get_many(keys).values()
     if timeout_s > 2.0:
         assert [r.attempts for r in rows] == [1] * len(keys)
     assert running.listener.dispatcher.stats.claims_settled >= 1
     running.stop()
+
+
+def test_a_long_outage_ends_the_claimers_backoff_when_the_ledger_answers(
+    ledger: Client,
+    proxy: WireProxy,
+    redis_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    # Production backoff (0.5 s doubling to 30 s) and an 8 s outage: the claimer's waits grew
+    # to 8 s, and the tasks it held ran up to 8 s after the ledger answered again (up to 30 s
+    # in a longer one; 16 s in the Patroni soak's failover). A new connection that another
+    # thread (the heartbeat) opens once the ledger answers ends the wait.
+    cfg = make_settings(
+        redis_url, proxy.url, tmp_path, reconnect_initial_s=0.5, reconnect_max_s=30.0
+    )
+    running, _, late_ms = _through_an_outage(ledger, proxy, start_listener, verdict, cfg, 8.0)
+    assert late_ms < 3000, f"the last task finished {late_ms} ms after the ledger answered"
+    running.stop()
+
+
+def _through_an_outage(
+    ledger: Client,
+    proxy: WireProxy,
+    start_listener: StartListener,
+    verdict: Verdict,
+    cfg: Settings,
+    outage_s: float,
+) -> tuple[Running, list[str], int]:
+    """A listener on `cfg`, ten tasks due at once, a claim's answer lost and the database then
+    out of reach for `outage_s`; once every task ran: the listener, the keys, and how long
+    after the ledger answered again the last one finished (rows the lost commit took keep
+    that commit's start time, so the finish is what counts)."""
+    proxy.break_statement(updates_status("running"), fault="reply", failover_s=outage_s)
+    running = start_listener(cfg)
+    keys = ledger.create_many(
+        TaskRequest("Probe.record", (f"fo{i}",), ttl_ms=300 + 10 * i) for i in range(10)
+    )
+    wait_until(
+        lambda: proxy.answering_again_s is not None, outage_s + 13, message="no failover happened"
+    )
+    back_ms = ledger.clock.now_ms()
+    verdict.check(ledger, keys, timeout_s=20 + outage_s, since_ms=back_ms)
+    rows = ledger.store.get_many(keys).values()
+    return running, keys, max((r.finished_at_ms or 0) for r in rows) - back_ms
 
 
 @pytest.fixture

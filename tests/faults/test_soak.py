@@ -16,7 +16,7 @@ from tests.conftest import _require, _require_postgres
 
 pytestmark = pytest.mark.faults
 
-TOPOLOGIES = ("sentinel-mariadb", "sentinel-postgres", "cluster-mariadb")
+TOPOLOGIES = ("sentinel-mariadb", "sentinel-postgres", "cluster-mariadb", "sentinel-patroni")
 """Redis and ledger of the short soak: one per run, `KEYEXPIRY_TEST_SOAK_TOPOLOGY` or the
 commit's choice."""
 
@@ -42,17 +42,22 @@ def soak_topology() -> str:
 
 
 @pytest.mark.xdist_group("heavy")
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("topology", [soak_topology()])
 def test_a_short_soak_loses_nothing_through_every_fault(tmp_path: Path, topology: str) -> None:
     redis_kind, _, ledger = topology.partition("-")
     if redis_kind == "sentinel":
         _require("haproxy")
-    if ledger == "postgres":
+    if ledger in ("postgres", "patroni"):
         _require_postgres()
+    if ledger == "patroni":
+        _require("patroni")
+        _require("etcd")
     cfg = soak.SoakConfig(
         ledger=ledger,
         redis=redis_kind,
-        minutes=1.2,
+        # Patroni's faults take a leader key's lifetime and a rejoin: room for all of them.
+        minutes=1.2 if ledger != "patroni" else 1.5,
         rate_per_s=200,
         max_due_s=15.0,
         fault_every_s=8.0,
@@ -74,7 +79,10 @@ def test_a_short_soak_loses_nothing_through_every_fault(tmp_path: Path, topology
     run_dir = Path(report["run_dir"])
     # Every fault of the rotation happened, with its start and end logged.
     faults = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
-    rotation = CLUSTER_FAULTS if redis_kind == "cluster" else SENTINEL_FAULTS
+    rotation = list(CLUSTER_FAULTS if redis_kind == "cluster" else SENTINEL_FAULTS)
+    if ledger == "patroni":
+        i = rotation.index("ledger_restart")
+        rotation[i : i + 1] = soak.PATRONI_FAULTS
     assert {f["fault"] for f in faults} == set(rotation), faults
     assert all(f["end_ms"] >= f["start_ms"] and "failed" not in f["detail"] for f in faults)
     assert [f["fault"] for f in faults].count("flushall") == 1

@@ -9,7 +9,9 @@ The configuration is generated in the caller's work dir: TCP mode on a free loop
 aborted connection on the server, and enough of them block the client host), a check every
 `inter_ms` with `fall` failures to mark a server down and `rise` successes to mark it up.
 Sessions on a server marked down are cut, and sessions on backups are cut when the primary
-comes back, so clients never write to two nodes for long. A stats socket on another free
+comes back, so clients never write to two nodes for long. With `check="patroni"` it fronts
+PostgreSQL nodes managed by Patroni, checking each one's REST API (`check_ports`): only the
+primary answers `GET /primary` with 200. A stats socket on another free
 loopback port tells which servers HAProxy holds up (`states()`).
 """
 
@@ -48,7 +50,8 @@ class HAProxy(_ServerProcess):
         *,
         servers: Sequence[tuple[str, int]],
         check_user: str = "",
-        check: Literal["mysql", "redis-master"] = "mysql",
+        check: Literal["mysql", "redis-master", "patroni"] = "mysql",
+        check_ports: Sequence[int] = (),
         inter_ms: int = 300,
         fall: int = 2,
         rise: int = 1,
@@ -60,6 +63,9 @@ class HAProxy(_ServerProcess):
         self.servers = list(servers)
         self.check_user = check_user
         self.check = check
+        self.check_ports = list(check_ports)
+        if check == "patroni" and len(self.check_ports) != len(self.servers):
+            raise ValueError("check='patroni' needs each server's REST API port")
         self.inter_ms = inter_ms
         self.fall = fall
         self.rise = rise
@@ -105,14 +111,19 @@ class HAProxy(_ServerProcess):
             " on-marked-down shutdown-sessions on-marked-up shutdown-backup-sessions",
         ]
         for i, (name, port) in enumerate(self.servers):
-            # Redis: only the master passes the check, so no server needs to be a backup.
+            # Redis, Patroni: only the primary passes the check, so none needs to be a backup.
             backup = " backup" if i and self.check == "mysql" else ""
-            lines.append(f"    server {name} {LOOPBACK}:{port} check{backup}")
+            check_port = f" port {self.check_ports[i]}" if self.check == "patroni" else ""
+            lines.append(f"    server {name} {LOOPBACK}:{port} check{check_port}{backup}")
         return "\n".join(lines) + "\n"
 
     def _check_lines(self) -> list[str]:
         if self.check == "mysql":
             return [f"    option mysql-check user {self.check_user} post-41"]
+        if self.check == "patroni":
+            # Patroni's REST API answers 200 on /primary only on the node that holds the
+            # leader key and runs a PostgreSQL taking writes.
+            return ["    option httpchk GET /primary", "    http-check expect status 200"]
         # A replica answers PING too: only `role:master` in INFO replication passes.
         return [
             "    option tcp-check",

@@ -92,7 +92,7 @@ def find_bindir() -> Path | None:
     return None
 
 
-def _server_user() -> pwd.struct_passwd | None:
+def server_user() -> pwd.struct_passwd | None:
     """The account the server runs as when we are root; None when we are not root."""
     if os.geteuid() != 0:
         return None
@@ -100,6 +100,30 @@ def _server_user() -> pwd.struct_passwd | None:
         with contextlib.suppress(KeyError):
             return pwd.getpwnam(name)
     raise ServerError(f"running as root and none of the users {_SERVER_USERS} exists")
+
+
+def as_owner(
+    owner: pwd.struct_passwd | None, cmd: list[str], *, death_signal: bool = False
+) -> list[str]:
+    """``cmd`` run as ``owner`` (from :func:`server_user`; None: as we are), ``setpriv``
+    exec'ing it in place."""
+    if owner is None:
+        return cmd
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise ServerError("running as root needs setpriv (util-linux) to drop privileges")
+    # Changing the uid clears PR_SET_PDEATHSIG, so the outer prefix of the base class is lost:
+    # ask this setpriv to set it again after the switch.
+    pdeathsig = ["--pdeathsig", "KILL"] if death_signal and _death_signal_prefix() else []
+    return [
+        setpriv,
+        f"--reuid={owner.pw_uid}",
+        f"--regid={owner.pw_gid}",
+        "--init-groups",
+        *pdeathsig,
+        "--",
+        *cmd,
+    ]
 
 
 def _clean_env() -> dict[str, str]:
@@ -144,7 +168,7 @@ class PostgresServer(_ServerProcess):
             )
         self.bindir = found
         self.primary = primary
-        self._owner = _server_user()
+        self._owner = server_user()
         self._destroyed = False
         # A short private directory: the socket path must fit in sockaddr_un (and when we are
         # root it also holds the data directory, see the module docstring).
@@ -324,24 +348,7 @@ class PostgresServer(_ServerProcess):
         return str(path)
 
     def _as_owner(self, cmd: list[str], *, death_signal: bool = False) -> list[str]:
-        """``cmd`` run as the server user when we are root (``setpriv`` execs it in place)."""
-        if self._owner is None:
-            return cmd
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            raise ServerError("running as root needs setpriv (util-linux) to drop privileges")
-        # Changing the uid clears PR_SET_PDEATHSIG, so the outer prefix of the base class is
-        # lost: ask this setpriv to set it again after the switch.
-        pdeathsig = ["--pdeathsig", "KILL"] if death_signal and _death_signal_prefix() else []
-        return [
-            setpriv,
-            f"--reuid={self._owner.pw_uid}",
-            f"--regid={self._owner.pw_gid}",
-            "--init-groups",
-            *pdeathsig,
-            "--",
-            *cmd,
-        ]
+        return as_owner(self._owner, cmd, death_signal=death_signal)
 
     def _run_tool(self, cmd: list[str], log: Path) -> None:
         """Run ``initdb``/``pg_basebackup`` (as the server user), output to ``log``."""
