@@ -393,10 +393,11 @@ class PatroniCluster:
         wait_until(ready, timeout_s, interval_s=0.2, message="patroni: standbys not streaming")
 
     def stop(self) -> None:
-        """HAProxy, the nodes, etcd."""
+        """HAProxy, the nodes (their data directories removed), etcd."""
         self.proxy.stop()
         for node in self.nodes:
             node.stop()
+            shutil.rmtree(node.private_dir, ignore_errors=True)
         self.etcd.stop()
 
     # -- where to connect ------------------------------------------------------------------
