@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 from collections.abc import Hashable
 from typing import Any
@@ -94,15 +95,17 @@ class SaidOnce:
     def __init__(self, limit: int = 10_000) -> None:
         self._seen: dict[Hashable, None] = {}
         self._limit = limit
+        self._lock = threading.Lock()  # two threads repair overdue rows on a Cluster
 
     def first(self, item: Hashable) -> bool:
         """True the first time `item` is seen (then remembered), False after."""
-        if item in self._seen:
-            return False
-        self._seen[item] = None
-        if len(self._seen) > self._limit:
-            del self._seen[next(iter(self._seen))]
-        return True
+        with self._lock:
+            if item in self._seen:
+                return False
+            self._seen[item] = None
+            if len(self._seen) > self._limit:
+                del self._seen[next(iter(self._seen))]
+            return True
 
 
 class Tally:

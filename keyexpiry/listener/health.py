@@ -14,6 +14,7 @@ from loguru import logger
 from redis import Redis
 
 from keyexpiry.clock import monotonic_s
+from keyexpiry.errors import StoreError
 from keyexpiry.keys import canary_key, marker_key, sentinel_key
 from keyexpiry.listener.reconcile import Reconciler
 from keyexpiry.masking import mask_url
@@ -23,6 +24,8 @@ from keyexpiry.settings import Settings
 _CANARY_PATIENCE_S = 30.0
 """How long the canary's event may lag behind a stream of other expired events."""
 MARKER_EVERY_S = 1.0
+UNHEARD_RUNS_EVERY_S = 1.0
+"""How often due tasks of an unheard Cluster primary run from the ledger."""
 """How often each listener reads the marker (see `Health.check_marker`)."""
 _CANARY_LOOKUPS = 20
 """Lookups that expire the canary, a millisecond apart (see `Health._expire_canaries`)."""
@@ -50,6 +53,8 @@ class Health:
         tag of `node_tags()` (one per Cluster primary when `on_cluster`)."""
         self.redis, self.redis_url, self.settings = redis, redis_url, settings
         self._node_tags, self._on_cluster = node_tags, on_cluster
+        self.on_cluster = on_cluster
+        """Whether Redis is a Cluster (each primary's events heard, or not, on their own)."""
         self._reconciler = reconciler
         self._events = events
         self._backlog = backlog
@@ -194,6 +199,20 @@ class Health:
                     self._canary_step(monotonic_s())
             except (redis.RedisError, OSError) as exc:
                 logger.debug("marker or canary check failed: {}", exc)
+
+    def unheard_loop(self, stop: threading.Event) -> None:
+        """On a Cluster, once a second while a primary's events go unheard: this listener's
+        share of the due tasks runs from the ledger. A thread of its own that never talks to
+        Redis: the periodic check that does the same shares the maintenance thread with a
+        reconciliation's walk, whose reads of the paused primary's keys wait for as long as it
+        is paused (the Cluster soak: one listener of three ran its share at the pause's end)."""
+        while not stop.wait(UNHEARD_RUNS_EVERY_S):
+            if not self.subscribed.is_set() or not self.unheard_primaries():
+                continue
+            try:
+                self._reconciler.repair_stuck(grace_ms=0, events_arriving=False, mine=self._mine)
+            except StoreError as exc:
+                logger.debug("running an unheard primary's due tasks failed: {}", exc)
 
     def _read_markers(self) -> tuple[int, int]:
         """(primaries whose marker changed since the last reading, primaries)."""

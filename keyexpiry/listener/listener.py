@@ -242,6 +242,14 @@ class Listener:
             stopped=self._stop,
             errors=self.thread_errors,
         )
+        if self.health.on_cluster:
+            # Never talks to Redis: a paused primary's due tasks run while other threads wait.
+            spawn(
+                "unheard",
+                lambda: self.health.unheard_loop(self._stop),
+                stopped=self._stop,
+                errors=self.thread_errors,
+            )
         if self.master_watch is not None:
             spawn(
                 "sentinel",

@@ -280,10 +280,15 @@ def test_a_paused_primarys_due_tasks_run_from_the_ledger_before_it_answers_again
         victim = cluster.primaries()[0]
         keys = _tasks(c, "paused", 60, 1000, first_ms=1000)
         assert _on(victim, keys, cluster) > 5
-        pause_s = 12.0
-        victim.command("CLIENT", "PAUSE", int(pause_s * 1000), "ALL")
-        _done_within(c, keys, monotonic_s() + pause_s - 2, "the paused primary's tasks waited")
-        verdict.check(c, keys, timeout_s=30)
+        _paused_then_judged(
+            victim,
+            c,
+            keys,
+            verdict,
+            pause_s=12.0,
+            slack_s=2,
+            message="the paused primary's tasks waited",
+        )
 
 
 def test_a_paused_primary_holds_back_no_outcome_of_the_other_primaries_tasks(
@@ -371,10 +376,50 @@ def test_a_paused_primary_holding_the_canary_stops_no_ledger_run(
         )
         keys = _tasks(c, "canary", 90, 5000, first_ms=3000)
         assert _on(victim, keys, cluster) > 10
-        pause_s = 14.0
-        victim.command("CLIENT", "PAUSE", int(pause_s * 1000), "ALL")
-        _done_within(c, keys, monotonic_s() + pause_s - 3, "the ledger runs waited for the pause")
-        verdict.check(c, keys, timeout_s=30)
+        _paused_then_judged(
+            victim,
+            c,
+            keys,
+            verdict,
+            pause_s=14.0,
+            slack_s=3,
+            message="the ledger runs waited for the pause",
+        )
+
+
+def test_a_paused_primary_met_by_a_reconciliation_walk_stops_no_ledger_run(
+    cluster_factory: ClusterFactory,
+    mysql_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    # The Cluster soak on 18a0256: one listener of three ran its share of a paused primary's
+    # tasks only at the pause's end, the others every second. A reconciliation's walk over rows
+    # due later (one was running after the FLUSHALL a minute before) reads their keys on every
+    # primary, between the periodic checks on the same thread.
+    cluster = cluster_factory()
+    cfg = _without_quick_repairs(cluster, mysql_url, tmp_path)
+    with Client(cfg) as c:
+        c.create_many(
+            TaskRequest("Probe.record", (f"later{i}",), ttl_ms=600_000 + i) for i in range(60_000)
+        )
+        running = start_listener(cfg)
+        maintenance = running.listener.maintenance
+        victim = cluster.primaries()[0]
+        keys = _tasks(c, "walked", 90, 5000, first_ms=3000)
+        assert _on(victim, keys, cluster) > 10
+        maintenance.request("the test")
+        wait_until(lambda: maintenance._walk is not None, 20, message="no walk began")
+        _paused_then_judged(
+            victim,
+            c,
+            keys,
+            verdict,
+            pause_s=14.0,
+            slack_s=3,
+            message="the ledger runs waited for the pause",
+        )
 
 
 def _without_quick_repairs(cluster: LocalCluster, db_url: str, tmp_path: Path) -> Settings:
@@ -383,6 +428,23 @@ def _without_quick_repairs(cluster: LocalCluster, db_url: str, tmp_path: Path) -
     return make_settings(
         cluster.url(), db_url, tmp_path, lease_check_s=60, stuck_after_s=60, canary_interval_s=60
     )
+
+
+def _paused_then_judged(
+    victim: ClusterNode,
+    c: Client,
+    keys: list[str],
+    verdict: Verdict,
+    *,
+    pause_s: float,
+    slack_s: float,
+    message: str,
+) -> None:
+    """`victim` paused (`CLIENT PAUSE ALL`) for `pause_s`: every one of `keys` done `slack_s`
+    before the pause ends, then the verdict on them."""
+    victim.command("CLIENT", "PAUSE", int(pause_s * 1000), "ALL")
+    _done_within(c, keys, monotonic_s() + pause_s - slack_s, message)
+    verdict.check(c, keys, timeout_s=30)
 
 
 def _done_within(c: Client, keys: list[str], deadline_s: float, message: str) -> None:

@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -40,6 +41,7 @@ from keyexpiry.bench.servers.process import (
     free_port,
     wait_until,
 )
+from keyexpiry.clock import monotonic_s
 
 TTL_S = 10
 """Patroni's leader key lifetime: a lost primary's standby is promoted this long after."""
@@ -51,18 +53,23 @@ SCOPE = "soak"
 
 def _http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 2.0) -> Any:
     """GET (or POST `body` as JSON) and the decoded JSON answer; HTTP errors carry it too."""
+    return _request(url, body, timeout_s)[1]
+
+
+def _request(url: str, body: dict[str, Any] | None, timeout_s: float) -> tuple[int, Any]:
+    """(HTTP status, the answer decoded from JSON when it is JSON)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
     request.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-            text = answer.read().decode()
+            status, text = answer.status, answer.read().decode()
     except urllib.error.HTTPError as exc:  # Patroni answers 503 with the same JSON
-        text = exc.read().decode()
+        status, text = exc.code, exc.read().decode()
     try:
-        return json.loads(text)
+        return status, json.loads(text)
     except ValueError:
-        return text
+        return status, text
 
 
 class EtcdMember(_ServerProcess):
@@ -218,6 +225,12 @@ class PatroniNode(_ServerProcess):
     def log_path(self) -> Path:
         """Patroni's log and PostgreSQL's (which it forwards) on stderr."""
         return self._stderr_path
+
+    @property
+    def _cwd(self) -> Path | None:
+        # initdb and pg_ctl, run by Patroni as the server account, go back to the directory
+        # they started in: ours was refused in CI's fresh clone ("could not change directory").
+        return self.private_dir
 
     @property
     def rest_url(self) -> str:
@@ -383,12 +396,16 @@ class PatroniCluster:
                     connect_timeout=2,
                 ) as conn:
                     rows = conn.execute(query).fetchall()
-            except (ServerError, psycopg.Error):
+                streaming = [sync for state, sync in rows if state == "streaming"]
+                if len(streaming) < len(self.nodes) - 1:
+                    return False
+                if not self.synchronous:
+                    return True
+                # Patroni's own view too: it names the synchronous standby a moment later.
+                members = _http(f"{node.rest_url}/cluster", timeout_s=1.0).get("members", [])
+                return "sync" in streaming and any(m.get("role") == "sync_standby" for m in members)
+            except (ServerError, psycopg.Error, OSError, AttributeError):
                 return False
-            streaming = [sync for state, sync in rows if state == "streaming"]
-            if len(streaming) < len(self.nodes) - 1:
-                return False
-            return not self.synchronous or "sync" in streaming
 
         wait_until(ready, timeout_s, interval_s=0.2, message="patroni: standbys not streaming")
 
@@ -465,14 +482,23 @@ class PatroniCluster:
         return f"primary {old.name} killed -9, {new.name} promoted, {old.name} rejoined"
 
     def switchover(self) -> str:
-        """A planned switchover to the standby."""
+        """A planned switchover to the standby, asked again while Patroni refuses it (a standby
+        that just rejoined is synchronous in PostgreSQL's view a moment before it is in
+        Patroni's, which refuses a candidate that is not: CI saw that)."""
         old = self.primary()
         candidate = next(n for n in self.nodes if n is not old)
-        answer = _http(
-            f"{old.rest_url}/switchover",
-            {"leader": old.name, "candidate": candidate.name},
-            timeout_s=30,
-        )
+        deadline_s = monotonic_s() + 60
+        while True:
+            status, answer = _request(
+                f"{old.rest_url}/switchover",
+                {"leader": old.name, "candidate": candidate.name},
+                timeout_s=30,
+            )
+            if status == 200:
+                break
+            if monotonic_s() > deadline_s:
+                raise ServerError(f"patroni refused the switchover: {status} {answer}")
+            time.sleep(0.5)
         new = self._wait_primary(old, TTL_S * 3)
         self.wait_replicas()
         return f"switchover {old.name} -> {new.name} ({str(answer)[:80]})"

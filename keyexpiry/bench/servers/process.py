@@ -258,6 +258,13 @@ class _ServerProcess:
     def _graceful_stop(self, proc: subprocess.Popen[bytes]) -> None:
         proc.terminate()
 
+    @property
+    def _cwd(self) -> Path | None:
+        """The server's working directory (None: ours). A server run as another user needs
+        one it may enter: ours may be a private checkout (a fresh clone under a 0700
+        `mktemp -d` directory in CI)."""
+        return None
+
     # -- public interface -------------------------------------------------------------
 
     @property
@@ -405,6 +412,7 @@ class _ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
+                cwd=self._cwd,
                 # Own session: a Ctrl-C in the terminal goes to pytest, which then
                 # stops the servers in fixture teardown instead of racing with them.
                 start_new_session=True,
