@@ -13,6 +13,10 @@ Faults, each returning a one-line account of what happened:
   (`pg_rewind`).
 - `switchover`: a planned switchover through the REST API (the primary demoted cleanly).
 - `etcd_leader_lost`: the etcd leader killed -9, the others elect a new one, it rejoins.
+
+Long because it is one topology: etcd's members, Patroni's nodes and the cluster that starts,
+waits on and breaks them share the REST helpers and the timings; apart, each file would only
+be imported by the next.
 """
 
 from __future__ import annotations

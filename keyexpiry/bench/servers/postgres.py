@@ -17,6 +17,9 @@ enter pytest's temporary directories (0700, owned by root), so the data director
 a private directory under the system temp dir that the user owns, removed at exit (or by
 :meth:`PostgresServer.destroy`); ``workdir/data`` is a symlink to it. The server log is the
 server's stderr, opened by this process, so it stays in ``workdir`` whoever the server runs as.
+
+Long because the server, its standby cloning and the run-as-owner plumbing (`server_user`,
+`as_owner`, which Patroni's nodes reuse) are one concern: who runs PostgreSQL, and where.
 """
 
 from __future__ import annotations
