@@ -54,11 +54,11 @@ def test_a_silent_listeners_runs_are_taken_over_long_before_their_lease_ends(
 ) -> None:
     """A listener that died (its row stopped beating) with a run whose lease has a minute to
     go: a live listener requeues it within the takeover window and runs it."""
-    key = client.create(sample_tasks.Probe.record, "orphan", ttl_s=600)
+    key = client.create(sample_tasks.Probe.record, "orphan", ttl_ms=1)
+    wait_until(lambda: client.clock.now_ms() > client.store.get(key).due_at_ms, 5)  # type: ignore[union-attr]
     now = client.clock.now_ms()
-    client.store.claim(
-        [key], now_ms=now + 600_000, lease_until_ms=now + 60_000, token="gone:1:abc:7"
-    )
+    # Claimed before its listener's silence began (a claim after it proves the listener alive).
+    client.store.claim([key], now_ms=now, lease_until_ms=now + 60_000, token="gone:1:abc:7")
     client.store.beat(ListenerRow("gone:1:abc", "gone", 1, now - 60_000, now - 10_000, 1))
     started = monotonic_s()
     start_listener(settings.replace(**QUICK))
@@ -67,6 +67,41 @@ def test_a_silent_listeners_runs_are_taken_over_long_before_their_lease_ends(
     assert took_s < 10, took_s
     assert done.attempts == 2 and sample_tasks.CALLS[key] == 1
     assert "gone:1:abc" not in [r.id for r in client.store.listeners()]
+
+
+def test_a_listener_whose_heartbeat_looks_old_but_that_claimed_since_keeps_its_runs(
+    settings: Settings, client: Client, start_listener: StartListener
+) -> None:
+    """Found by a 27 s network partition from the ledger: the cut listener's heartbeat, held
+    by the network, was written after the heal with its old time; its peer found the row silent
+    and requeued a run the listener had claimed a moment before, which ran twice. A run claimed
+    after its listener's silence began proves the listener alive: nothing of it is requeued
+    while that claim is younger than a takeover window. (Should the listener really be gone,
+    the run is requeued once it is older, and runs as a second attempt.)"""
+    watcher = start_listener(settings.replace(**QUICK))
+    beats = int(QUICK["takeover_after_s"] / QUICK["heartbeat_s"]) + 2
+    wait_until(lambda: watcher.listener.fleet.beats >= beats, 10, interval_s=0.05)
+    key = client.create(sample_tasks.Probe.record, "claimed-since", ttl_ms=2000)
+    due_ms = client.store.get(key).due_at_ms  # type: ignore[union-attr]
+    now = client.clock.now_ms()
+    # The late heartbeat: an old time, written now; then the claim it made meanwhile (at the
+    # task's due time, two seconds ahead: the watcher, hearing the key expire, finds it taken).
+    client.store.beat(ListenerRow("late:1:abc", "late", 1, now - 60_000, now - 10_000, 1))
+    assert client.store.claim(
+        [key], now_ms=due_ms, lease_until_ms=due_ms + 60_000, token="late:1:abc:7"
+    )
+    claimed = monotonic_s()
+    # Every beat of the watcher in the next takeover window found the row silent.
+    after = watcher.listener.fleet.beats + 3
+    wait_until(lambda: watcher.listener.fleet.beats >= after, 5, interval_s=0.05)
+    row = client.store.get(key)
+    assert monotonic_s() - claimed < QUICK["takeover_after_s"]
+    assert row is not None and row.status is TaskStatus.RUNNING and row.attempts == 1, row
+    assert watcher.listener.fleet.takeovers == 0
+    # It never beats again: once its claim is older than the window, the run is taken over.
+    done = wait_status(client, key, TaskStatus.DONE, timeout_s=15)
+    assert done.attempts == 2 and sample_tasks.CALLS[key] == 1
+    assert watcher.listener.fleet.takeovers == 1
 
 
 def test_a_slow_listener_that_beats_keeps_its_runs(

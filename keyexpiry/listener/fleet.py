@@ -36,6 +36,7 @@ from keyexpiry.ledger.heartbeats import ListenerRow
 from keyexpiry.ledger.store import Store
 from keyexpiry.listener.partition import BUCKETS, Partition, bucket_of
 from keyexpiry.listener.reconcile import Reconciler
+from keyexpiry.log import SaidOnce
 from keyexpiry.registry import Registry
 from keyexpiry.settings import Settings
 
@@ -98,6 +99,8 @@ class Fleet:
         self._last_beat_s = -1e18
         self.takeovers = 0
         """Silent listeners whose runs this one requeued."""
+        self._alive_said = SaidOnce(limit=1000)
+        """Peers found alive in spite of an old heartbeat, said once each."""
 
     def beat(self) -> None:
         """Write the heartbeat, then take over any peer silent for too long."""
@@ -195,7 +198,17 @@ class Fleet:
         return True
 
     def _take_over(self, peer: str, silent_before_ms: int) -> None:
-        report = self._reconciler.requeue_runs_of(peer)
+        report = self._reconciler.requeue_runs_of(peer, silent_before_ms)
+        if report.claimed_since_silent:
+            if self._alive_said.first(peer):
+                logger.warning(
+                    "listener {} looks silent for over {:g} s but claimed {} run(s) since: "
+                    "alive (its heartbeat was written late); its runs stay its own",
+                    peer,
+                    self.settings.takeover_after_s,
+                    report.claimed_since_silent,
+                )
+            return
         # Deleted only if still silent: a paused listener that resumed meanwhile keeps its row.
         if self.store.forget(peer, silent_before_ms=silent_before_ms):
             self.takeovers += 1

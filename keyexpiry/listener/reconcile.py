@@ -51,6 +51,9 @@ class ReconcileReport:
     dead: int = 0
     malformed: int = 0
     """Rows keyexpiry would never have written, found (each is logged once, with its key)."""
+    claimed_since_silent: int = 0
+    """Runs of a listener judged silent that it claimed after its silence began (it is alive:
+    `requeue_runs_of` left them)."""
 
     def __str__(self) -> str:
         text = (
@@ -266,11 +269,22 @@ class Reconciler:
         now_ms = self.clock.now_ms()
         self._requeue(self.store.expired_leases(now_ms), report, dry_run, now_ms, "lease expired")
 
-    def requeue_runs_of(self, listener_id: str) -> ReconcileReport:
+    def requeue_runs_of(self, listener_id: str, silent_since_ms: int) -> ReconcileReport:
         """Requeue the running tasks of a listener that stopped beating (heartbeats, not
-        leases: a killed listener's runs come back in seconds, whatever their timeout)."""
+        leases: a killed listener's runs come back in seconds, whatever their timeout).
+
+        Unless it claimed one of them after `silent_since_ms`: then it is alive and its row's
+        time is stale (a heartbeat held by the network and written late puts an old time back;
+        seen with a 27 s partition from the ledger, whose held heartbeat landed after the heal
+        and had a run claimed after it requeued and run twice). Nothing is requeued then
+        (`claimed_since_silent` says how many); its next heartbeat settles it."""
         report = ReconcileReport()
         seen: set[int] = set()
+        first = self.store.runs_of(listener_id, limit=PAGE_ROWS)
+        recent = [r for r in first if (r.started_at_ms or 0) >= silent_since_ms]
+        if recent:
+            report.claimed_since_silent = len(recent)
+            return report
         while True:  # a page at a time: each requeued row leaves the next page's range
             rows = [r for r in self.store.runs_of(listener_id, limit=PAGE_ROWS) if r.id not in seen]
             seen.update(r.id for r in rows)
