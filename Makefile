@@ -24,6 +24,7 @@ BENCH_ARGS ?= --runs 3
 SOAK_MINUTES ?= 10
 SOAK_LEDGER ?= mariadb
 SOAK_REDIS ?= sentinel
+SOAK_ARGS ?=
 
 .PHONY: demo listen web dist test test-fast lint format servers reliability screenshots bench-peers bench-runnow soak clean
 
@@ -50,18 +51,19 @@ listen: $(RUN_STAMP)
 ## `redis-cli` clients docs/PROTOCOL.md's test creates tasks with, PHP with PDO MySQL, PDO PostgreSQL and phpredis
 ## the PHP producer's test (contrib/php) runs, and the Galera provider, rsync for its state
 ## transfers and HAProxy the fault suite's Galera cluster needs, Patroni and etcd for its
-## PostgreSQL-under-Patroni ledger)
+## PostgreSQL-under-Patroni ledger, ip and iptables for its network namespaces)
 servers:
 	@command -v redis-server >/dev/null && command -v mariadbd >/dev/null && command -v faketime >/dev/null \
 	  && command -v chromium >/dev/null && command -v mariadb >/dev/null && command -v redis-cli >/dev/null \
 	  && test -f /usr/lib/galera/libgalera_smm.so && command -v rsync >/dev/null \
 	  && command -v haproxy >/dev/null && ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 \
 	  && command -v patroni >/dev/null && command -v etcd >/dev/null \
+	  && command -v ip >/dev/null && command -v iptables >/dev/null \
 	  && command -v php >/dev/null \
 	  && php -r 'exit(extension_loaded("pdo_mysql") && extension_loaded("pdo_pgsql") && extension_loaded("redis") ? 0 : 1);' \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	  redis-server redis-tools mariadb-server mariadb-client faketime chromium galera-4 rsync haproxy \
-	  postgresql patroni etcd-server php-cli php-mysql php-pgsql php-redis; }
+	  postgresql patroni etcd-server iproute2 iptables php-cli php-mysql php-pgsql php-redis; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check keyexpiry tasks tests examples
@@ -109,10 +111,12 @@ bench-runnow: $(PEERS_STAMP) servers
 	$(PEERS_VENV)/bin/keyexpiry bench --scenario run-now $(BENCH_ARGS)
 
 ## soak: SOAK_MINUTES (default 10) of 500 tasks/s on SOAK_REDIS (sentinel, or cluster) and SOAK_LEDGER
-## (mariadb, or postgres) with a fault every minute; verdict, history, plots in bench-results/soak/
+## (mariadb, postgres, patroni or patroni-sync) with a fault every minute (SOAK_ARGS=--network: one
+## listener in a network namespace, partitions and a slow lossy link in the rotation); verdict,
+## history, plots in bench-results/soak/
 soak: $(STAMP) servers
 	$(BIN)/keyexpiry bench --scenario soak --minutes $(SOAK_MINUTES) --backend $(SOAK_LEDGER) \
-		--redis $(SOAK_REDIS)
+		--redis $(SOAK_REDIS) $(SOAK_ARGS)
 
 ## dist: a wheel in dist/ (keyexpiry is not on a package index yet: `pip install dist/keyexpiry-*.whl`)
 dist: $(RUN_STAMP)

@@ -4,6 +4,7 @@ says (`error_code`, `not_serving`)."""
 
 from __future__ import annotations
 
+import socket
 import ssl
 import threading
 from collections.abc import Callable
@@ -13,13 +14,25 @@ from sqlalchemy import (
     Engine,
     create_engine,
     event,
+    make_url,
 )
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 
 from keyexpiry.errors import StoreError
 from keyexpiry.masking import mask_url, redact
 
 _LOCK_WAIT_MAX_S = 5
+UNACKED_S = 5
+"""How long a statement's bytes may go unacknowledged by the server's machine before the
+connection is given up (TCP_USER_TIMEOUT). Only a path that drops packets gets there: a server
+that is merely slow or paused still has its kernel acknowledge them. Without it a connection
+caught by a network partition waits out TCP's retransmission backoff after the network heals
+(up to two minutes between tries); the soak's 20 s partition from the ledger left a listener
+stalled for seconds after the heal, longer partitions for longer."""
+CONNECT_TIMEOUT_S = 5
+"""A connection attempt's limit, when the URL sets none (libpq waits for ever, PyMySQL 10 s):
+attempts made during a partition end, and the next one after the heal gets through at once."""
 
 
 def error_code(exc: BaseException | None) -> int | str | None:
@@ -79,6 +92,7 @@ def make_engine(url: str) -> Engine:
             return engine
         engine = create_engine(
             url,
+            connect_args=_network_timeouts(url),
             # No pre-ping (a round trip per checkout, on every create and claim): a statement
             # that finds its connection dead is retried once on a fresh one instead (see
             # `_retried`); every statement here is safe to repeat.
@@ -105,6 +119,24 @@ def make_engine(url: str) -> Engine:
         raise StoreError(f"cannot use database {mask_url(url)}: {redact(str(exc), url)}") from None
 
 
+def _network_timeouts(url: str | URL) -> dict[str, Any]:
+    """The driver's connect arguments for `UNACKED_S` and `CONNECT_TIMEOUT_S`, each only where
+    the URL does not set its own."""
+    parsed = make_url(url)
+    wanted: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S}
+    if parsed.get_backend_name() == "postgresql":
+        wanted["tcp_user_timeout"] = UNACKED_S * 1000  # libpq's own, in ms
+    # PyMySQL has no such option: the socket gets it at connect (`_unacked_limit`).
+    return {k: v for k, v in wanted.items() if k not in parsed.query}
+
+
+def _unacked_limit(dbapi_conn: Any) -> None:
+    sock = getattr(dbapi_conn, "_sock", None)
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux only
+    if sock is not None and option is not None and sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, option, UNACKED_S * 1000)
+
+
 def postgres_driver(url: str) -> str:
     """`url` with psycopg 3 named as its driver when it names PostgreSQL without one."""
     for bare in ("postgresql://", "postgres://"):
@@ -117,6 +149,7 @@ def _short_lock_waits(dbapi_conn: Any, _record: Any) -> None:
     # keyexpiry's own transactions hold row locks for milliseconds: waiting the server's default
     # 50 s on a row someone else locked would stall the claimer for that long (and again when it
     # claims around the lock). A lower server setting is kept.
+    _unacked_limit(dbapi_conn)
     cur = dbapi_conn.cursor()
     cur.execute(
         "SET SESSION innodb_lock_wait_timeout = "
@@ -228,6 +261,7 @@ def autocommit_engine(engine: Engine) -> Engine | None:
     try:
         auto = create_engine(
             engine.url,
+            connect_args=_network_timeouts(engine.url),
             pool_pre_ping=False,  # as on the main pool: a dead connection is retried instead
             pool_reset_on_return=None,
             pool_recycle=1800,

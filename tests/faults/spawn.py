@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from tests.conftest import _require
 from tests.ke import FAST
 
 ROOT = Path(__file__).resolve().parents[2]
+Wrap = Callable[[list[str]], list[str]]
+"""Turns a command line into another that runs it (`NetNamespace.command`)."""
 
 
 def listener_env(settings: Settings) -> dict[str, str]:
@@ -77,28 +80,41 @@ class Spawned:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def listen(
-        self, settings: Settings, *, skew: str | None = None, **env: str
+        self,
+        settings: Settings,
+        *,
+        skew: str | None = None,
+        wrap: Wrap | None = None,
+        **env: str,
     ) -> tuple[subprocess.Popen[bytes], Path]:
-        """Start a listener (its clock skewed by `skew`) and wait until it has subscribed."""
-        return self.listen_many(settings, 1, skew=skew, **env)[0]
+        """Start a listener (its clock skewed by `skew`, its command line wrapped by `wrap`,
+        e.g. run in a network namespace) and wait until it has subscribed."""
+        return self.listen_many(settings, 1, skew=skew, wrap=wrap, **env)[0]
 
     def listen_many(
-        self, settings: Settings, count: int, *, skew: str | None = None, **env: str
+        self,
+        settings: Settings,
+        count: int,
+        *,
+        skew: str | None = None,
+        wrap: Wrap | None = None,
+        **env: str,
     ) -> list[tuple[subprocess.Popen[bytes], Path]]:
         """Start `count` listeners together (their start-ups overlap), then wait until each has
         subscribed."""
-        started = [self._start(settings, skew, env) for _ in range(count)]
+        started = [self._start(settings, skew, env, wrap) for _ in range(count)]
         for proc, log in started:
             _wait_subscribed(proc, log)
         return started
 
     def _start(
-        self, settings: Settings, skew: str | None, env: dict[str, str]
+        self, settings: Settings, skew: str | None, env: dict[str, str], wrap: Wrap | None
     ) -> tuple[subprocess.Popen[bytes], Path]:
         log = self._tmp / f"listener-{len(self.procs)}.log"
+        command = keyexpiry_command("listen", skew=skew)
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                keyexpiry_command("listen", skew=skew),
+                wrap(command) if wrap else command,
                 cwd=ROOT,
                 env=subprocess_env(settings, **env),
                 stdout=out,

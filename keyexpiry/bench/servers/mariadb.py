@@ -19,6 +19,7 @@ import pymysql
 
 from keyexpiry.bench.servers.process import (
     LOOPBACK,
+    NETNS_HOSTS,
     ServerError,
     _log_tail,
     _resolve_binary,
@@ -137,9 +138,15 @@ class MariaDBServer(_ServerProcess):
         """Initialise the datadir if needed, start mariadbd and wait for a root login."""
         if self.running:
             raise ServerError(f"{self._kind} on port {self._port} is already running")
-        if not self.datadir.is_dir() or not any(self.datadir.iterdir()):
+        fresh = not self.datadir.is_dir() or not any(self.datadir.iterdir())
+        if fresh:
             self._install()
         super().start()
+        if fresh:
+            # A listener in a test's network namespace (`servers.netns`) connects from its
+            # side of the veth pair, not from 127.0.0.1.
+            self._execute(f"CREATE USER IF NOT EXISTS root@'{NETNS_HOSTS}'")
+            self._execute(f"GRANT ALL ON *.* TO root@'{NETNS_HOSTS}' WITH GRANT OPTION")
 
     def _execute(self, sql: str) -> None:
         conn = self.admin_connection()

@@ -40,6 +40,7 @@ from keyexpiry.bench.servers.haproxy import HAProxy
 from keyexpiry.bench.servers.postgres import SUPERUSER, as_owner, find_bindir, server_user
 from keyexpiry.bench.servers.process import (
     LOOPBACK,
+    NETNS_SUBNET,
     ServerError,
     _ServerProcess,
     free_port,
@@ -245,7 +246,12 @@ class PatroniNode(_ServerProcess):
         """Patroni's configuration for this node."""
         rest = f"{LOOPBACK}:{self._port}"
         pg = f"{LOOPBACK}:{self.pg_port}"
-        trust = ["local all all trust", "host all all 127.0.0.1/32 trust"]
+        # The second network: a listener in a test's network namespace (`servers.netns`).
+        trust = [
+            "local all all trust",
+            "host all all 127.0.0.1/32 trust",
+            f"host all all {NETNS_SUBNET} trust",
+        ]
         return {
             "scope": SCOPE,
             "name": self.name,

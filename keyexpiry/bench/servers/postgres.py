@@ -42,6 +42,7 @@ import psutil
 
 from keyexpiry.bench.servers.process import (
     LOOPBACK,
+    NETNS_SUBNET,
     ServerError,
     _death_signal_prefix,
     _log_tail,
@@ -306,6 +307,10 @@ class PostgresServer(_ServerProcess):
             shutil.rmtree(self.datadir, ignore_errors=True)
             if self.primary is None:
                 self._initdb()
+                # A listener in a test's network namespace (`servers.netns`) connects from its
+                # side of the veth pair, not from 127.0.0.1.
+                with (self.datadir / "pg_hba.conf").open("a") as hba:
+                    hba.write(f"host all all {NETNS_SUBNET} trust\n")
             else:
                 self._basebackup(self.primary)
         super().start()

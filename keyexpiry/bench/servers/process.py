@@ -31,6 +31,12 @@ from types import TracebackType
 from typing import Self
 
 LOOPBACK = "127.0.0.1"
+NETNS_NET = "10.213"
+"""The /16 a test's network namespaces take their veth pairs from (`servers.netns`)."""
+NETNS_SUBNET = f"{NETNS_NET}.0.0/16"
+"""The same as a CIDR (pg_hba.conf)."""
+NETNS_HOSTS = f"{NETNS_NET}.%"
+"""The same as a MariaDB account's host."""
 
 # Lines of a server log quoted in error messages: enough to show the real failure
 # (which usually comes last) without drowning the pytest report.
