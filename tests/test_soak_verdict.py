@@ -253,6 +253,25 @@ def test_a_second_run_after_kill9_of_the_first_ones_listener_is_documented(rec: 
     assert report["passed"], report["failures"]
 
 
+def test_a_partition_from_the_ledger_documents_a_second_run_but_one_from_redis_does_not(
+    rec: Recorder,
+) -> None:
+    # A listener cut off from the database cannot record the outcome of the run it holds, and
+    # its peer takes it over (GUARANTEES window 1); cut off from Redis, it still can.
+    rec.create(1, due_s=10)
+    rec.run(1, 10.0, 10.1, pid=PID_A)
+    rec.fault("net_partition_ledger", 10.05, 30.0, pids=(PID_A,))
+    rec.run(1, 16.0, 16.1, attempt=2, pid=PID_B)
+    rec.create(2, due_s=40)
+    rec.run(2, 40.0, 40.1, pid=PID_A)
+    rec.fault("net_partition_redis", 40.05, 60.0, pids=(PID_A,))
+    rec.run(2, 46.0, 46.1, attempt=2, pid=PID_B)
+    report = judge(rec)
+    assert fate_ids(report, "ran_twice_documented") == [1]
+    assert report["fates"]["ran_twice_documented"]["by_fault"] == {"net_partition_ledger": 1}
+    assert fate_ids(report, "ran_twice_undocumented") == [2]
+
+
 def test_a_second_run_of_an_ambiguous_create_retried_is_documented(rec: Recorder) -> None:
     rec.create(1, due_s=10, ambiguous=True)  # the first create's answer was lost, then retried
     rec.run(1, 10.0, 10.1)

@@ -58,6 +58,7 @@ from keyexpiry.bench.servers import (
     free_port,
     wait_until,
 )
+from keyexpiry.bench.servers.netns import NetNamespace
 from keyexpiry.bench.servers.patroni import PatroniCluster
 from keyexpiry.bench.soak_redis import SENTINEL_FAULTS, soak_redis
 from keyexpiry.bench.soak_tasks import HISTORY_DIR_ENV, Soak, kind
@@ -99,6 +100,11 @@ class SoakConfig:
     synchronous replication, whose faults replace the restart (`PATRONI_FAULTS`)."""
     redis: str = "sentinel"
     """The Redis: `sentinel` or `cluster`."""
+    network: bool = False
+    """One listener (`NET_SLOT`) in a network namespace of its own, and the network faults
+    (`NET_FAULTS`) in the rotation (needs root, `ip` and `iptables`)."""
+    net_fault_s: float = 20.0
+    """How long each network fault lasts."""
 
     @classmethod
     def quick(cls, minutes: float = 2.0) -> SoakConfig:
@@ -118,6 +124,12 @@ def _redis_description(kind: str) -> str:
     return text[0].upper() + text[1:]
 
 
+NET_FAULTS = ("net_partition_redis", "net_partition_ledger", "net_latency")
+"""With `SoakConfig.network`, what the namespaced listener's network goes through: every packet
+to and from the Redis servers dropped, the same for the ledger, then 200 ms ± 100 ms delay and
+5 % loss on all of it (`servers.netns`). Each follows one of the first three faults."""
+NET_SLOT = 1
+"""The listener in the namespace: one that speaks Sentinel (slot 2 goes through HAProxy)."""
 PATRONI_FAULTS = ("pg_kill_primary", "pg_switchover", "etcd_leader_lost")
 """What a Patroni ledger goes through in place of `ledger_restart`."""
 LOST_COMMIT_WINDOW_MS = 2000
@@ -143,6 +155,27 @@ def _ledger_version(ledger: str, m: dict[str, Any]) -> str:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _remote_ports(pid: int) -> list[int]:
+    """The remote ports of `pid`'s connected TCP sockets, read from its own network namespace's
+    tables (psutil reads this process's, and so sees none of a listener in another namespace)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(int(link[8:-1]))
+    ports = []
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as lines:
+            next(lines)  # the header
+            for line in lines:
+                fields = line.split()
+                port = int(fields[2].rsplit(":", 1)[1], 16)
+                if int(fields[9]) in inodes and port and fields[3] != "0A":  # 0A: listening
+                    ports.append(port)
+    return ports
 
 
 class _Lines:
@@ -172,13 +205,25 @@ class _Slot:
     proc: subprocess.Popen[bytes] | None = None
     started_ms: int = 0
     frozen: bool = False
+    netns: NetNamespace | None = None
+    """The network namespace it runs in, if any."""
+
+    @property
+    def http_host(self) -> str:
+        """Where its HTTP port listens: in a namespace, that namespace's own address."""
+        return self.netns.address if self.netns else LOOPBACK
 
 
 class Fleet:
     """The listener processes, restarted by a supervisor thread whenever one exits."""
 
     def __init__(
-        self, run_dir: Path, db_urls: list[str], redis_urls: list[str], cfg: SoakConfig
+        self,
+        run_dir: Path,
+        db_urls: list[str],
+        redis_urls: list[str],
+        cfg: SoakConfig,
+        netns: NetNamespace | None = None,
     ) -> None:
         self.run_dir, self.cfg = run_dir, cfg
         self.slots = [
@@ -191,6 +236,8 @@ class Fleet:
             )
             for i, url in enumerate(redis_urls)
         ]
+        if netns is not None:
+            self.slots[NET_SLOT].netns = netns
         self.incarnations = _Lines(run_dir / "listeners.jsonl")
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -212,7 +259,7 @@ class Fleet:
             "KEYEXPIRY_PRUNE_EVERY_S": str(cfg.prune_every_s),
             "KEYEXPIRY_LOG_LEVEL": "WARNING",
             # /readyz says when a restarted or resumed listener runs tasks again.
-            "KEYEXPIRY_HTTP": f"{LOOPBACK}:{slot.http_port}",
+            "KEYEXPIRY_HTTP": f"{slot.http_host}:{slot.http_port}",
         }
 
     def start(self) -> None:
@@ -223,8 +270,10 @@ class Fleet:
 
     def _spawn(self, slot: _Slot) -> None:
         with slot.log.open("ab") as out:
+            argv = [sys.executable, "-m", "keyexpiry", "listen"]
             slot.proc = subprocess.Popen(
-                [sys.executable, "-m", "keyexpiry", "listen"],
+                # `ip netns exec` execs the listener: the pid is the listener's own.
+                slot.netns.command(argv) if slot.netns else argv,
                 env=self.env(slot),
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -264,7 +313,7 @@ class Fleet:
         answering)."""
         for slot in self.slots:
             try:
-                url = f"http://{LOOPBACK}:{slot.http_port}/readyz"
+                url = f"http://{slot.http_host}:{slot.http_port}/readyz"
                 with urllib.request.urlopen(url, timeout=1.0) as answer:
                     if answer.status != 200:
                         return False
@@ -534,6 +583,7 @@ class SoakRun:
         self.flushed = False
         self.fault_log: list[dict[str, Any]] = []
         self.fleet: Fleet | None = None
+        self.netns = NetNamespace(work / "netns") if cfg.network else None
 
     # -- servers ------------------------------------------------------------------------
 
@@ -543,6 +593,8 @@ class SoakRun:
         URLs (listener i takes the i-th, or the last; the producer the last)."""
         self.redis.start()
         try:
+            if self.netns is not None:
+                self.netns.start()
             self.ledger.start()
             db_url = self.ledger.create_database("soak")
             db_urls = [db_url]
@@ -552,7 +604,8 @@ class SoakRun:
                 db_urls = [self.ledger.proxy_url("soak"), db_url]
             yield self.redis.listener_urls(self.cfg.listeners), db_urls
         finally:
-            for stop in (self.ledger.stop, self.redis.stop):
+            netns_stop = self.netns.stop if self.netns else (lambda: None)
+            for stop in (netns_stop, self.ledger.stop, self.redis.stop):
                 with contextlib.suppress(Exception):
                     stop()
 
@@ -582,7 +635,7 @@ class SoakRun:
         """Run the whole soak; returns the report (also written as `soak.json`)."""
         cfg = self.cfg
         with self.servers() as (urls, db_urls):
-            fleet = self.fleet = Fleet(self.run_dir, db_urls, urls, cfg)
+            fleet = self.fleet = Fleet(self.run_dir, db_urls, urls, cfg, self.netns)
             settings = Settings(
                 redis_url=self.redis.url(), database_url=db_urls[-1], sentinel_count=0
             )
@@ -696,8 +749,7 @@ class SoakRun:
             try:
                 p = psutil.Process(pid)
                 with p.oneshot():
-                    conns = p.net_connections(kind="tcp")
-                    remote = [c.raddr.port for c in conns if c.raddr]
+                    remote = _remote_ports(pid)
                     cpu = p.cpu_times()
                     listeners.append(
                         {
@@ -712,7 +764,7 @@ class SoakRun:
                             "cpu_s": round(cpu.user + cpu.system, 2),
                         }
                     )
-            except psutil.Error:
+            except (psutil.Error, OSError):
                 continue
         used: int | None = None
         try:
@@ -734,6 +786,9 @@ class SoakRun:
         if self.cfg.faults is None and isinstance(self.ledger, PatroniCluster):
             i = rotation.index("ledger_restart")
             rotation[i : i + 1] = PATRONI_FAULTS
+        if self.cfg.faults is None and self.netns is not None:
+            for n, name in enumerate(NET_FAULTS):
+                rotation.insert(2 * n + 1, name)
         victims = {"kill9": 0, "sigstop": 1}
         while True:
             at = t0 + (turn + 1) * self.cfg.fault_every_s
@@ -801,6 +856,8 @@ class SoakRun:
                 "etcd_leader_lost": patroni.etcd_leader_lost,
             }[name]
             return f"{action()}, {self._ready()}"
+        if name in NET_FAULTS:
+            return self._net_fault(name, fleet, pids)
         if name == "ledger_restart":
             assert not isinstance(self.ledger, PatroniCluster)
             self.ledger.restart()
@@ -814,6 +871,24 @@ class SoakRun:
             pids.extend(pid for slot, pid in fleet.pids() if slot.index in cut_off)
             return f"{self.redis.stall(self.cfg.stall_s, n)}, {self._ready()}"
         raise ValueError(f"unknown fault {name}")
+
+    def _net_fault(self, name: str, fleet: Fleet, pids: list[int]) -> str:
+        netns = self.netns
+        if netns is None:
+            raise ValueError(f"{name} needs SoakConfig.network")
+        pids.extend(pid for slot, pid in fleet.pids() if slot.netns is netns)
+        redis_ports, ledger_ports = self._ports()
+        try:
+            if name == "net_partition_redis":
+                what = netns.cut(redis_ports)
+            elif name == "net_partition_ledger":
+                what = netns.cut(ledger_ports)
+            else:
+                what = netns.degrade()
+            time.sleep(self.cfg.net_fault_s)  # the fault's own length
+        finally:
+            netns.heal()
+        return f"listener {NET_SLOT} {what} for {self.cfg.net_fault_s:g} s, {self._ready()}"
 
     def _ready(self) -> str:
         # A fault ends when every listener is ready again: that is when it can run tasks.

@@ -38,8 +38,9 @@ EARLY_TOLERANCE_MS = 5
 """A start more than this before the producer's due is early (clock reads and rounding)."""
 BUCKET_S = 10
 EXAMPLES = 20
-WINDOW1_FAULTS = ("kill9", "sigstop")
-"""Faults that open GUARANTEES window 1 by default (a killed or frozen handler); a run's
+WINDOW1_FAULTS = ("kill9", "sigstop", "net_partition_ledger")
+"""Faults that open GUARANTEES window 1 by default (a killed or frozen handler, a listener cut off
+from the database by a network partition); a run's
 `params["window1_faults"]` overrides it (a `stall` cuts a listener off from the database, which
 GUARANTEES also puts in window 1)."""
 LOST_COMMIT_SLACK_MS = 500
@@ -768,7 +769,7 @@ def verdict(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
 
     `params`: start_ms, produce_end_ms, end_ms (epoch ms); warm_up_s, max_due_s, max_attempts,
     settle_s, growth_limit, retain_done_s, prune_every_s, rate_per_s; optional
-    `window1_faults` (fault kinds that document a second run, default kill9 and sigstop),
+    `window1_faults` (fault kinds that document a second run, default `WINDOW1_FAULTS`),
     `unfinished_grace_s` (a task whose last due or run is this close to end_ms is "unfinished",
     not lost or dead_short; default 0) and `examples` (per fate, default 20).
 

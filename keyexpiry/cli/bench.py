@@ -45,6 +45,12 @@ def bench(
         "--redis",
         help="soak: the Redis it runs on, sentinel (with HAProxy) or cluster.",
     ),
+    network: bool = typer.Option(
+        False,
+        "--network",
+        help="soak: one listener in a network namespace of its own, and partitions from Redis "
+        "and from the ledger and 200 ms ± 100 ms latency with 5 % loss in the rotation (root).",
+    ),
     peers: bool = typer.Option(
         True,
         "--peers/--no-peers",
@@ -64,7 +70,7 @@ def bench(
         raise ConfigError(f"unknown scenario/backend: {unknown or backend}")
     if "soak" in names:
         others = [n for n in names if n != "soak"]
-        _soak(minutes, quick=quick, others=others, backends=backends, redis=redis)
+        _soak(minutes, quick=quick, others=others, backends=backends, redis=redis, network=network)
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     run(names, runs=runs, backend=backend, quick=quick, out=out, peers=peers, minutes=minutes)
@@ -72,7 +78,13 @@ def bench(
 
 
 def _soak(
-    minutes: float, *, quick: bool, others: list[str], backends: list[str], redis: str
+    minutes: float,
+    *,
+    quick: bool,
+    others: list[str],
+    backends: list[str],
+    redis: str,
+    network: bool = False,
 ) -> None:
     """`bench --scenario soak`: its own servers (Redis behind Sentinel and HAProxy, or a Redis
     Cluster, `--redis`; the ledger of `--backend`: MariaDB, PostgreSQL, or PostgreSQL under
@@ -92,7 +104,9 @@ def _soak(
     if redis not in ("sentinel", "cluster"):
         raise ConfigError("the soak's Redis is sentinel or cluster (--redis)")
     cfg = soak.SoakConfig.quick(minutes if minutes != 10.0 else 2.0) if quick else None
-    cfg = replace(cfg or soak.SoakConfig(minutes=minutes), ledger=backends[0], redis=redis)
+    cfg = replace(
+        cfg or soak.SoakConfig(minutes=minutes), ledger=backends[0], redis=redis, network=network
+    )
     report = soak.run(cfg, Path("bench-results/soak"))
     verdict = report["verdict"]
     typer.echo(soak.summary(report))
