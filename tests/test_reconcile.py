@@ -16,6 +16,7 @@ from keyexpiry.ledger.scans import ScanQueries
 from keyexpiry.ledger.store import NewTask, TaskStatus
 from keyexpiry.listener.reconcile import DUE_FIRST_MS, Reconciler
 from keyexpiry.runtime import Runtime
+from tests import sample_tasks
 from tests.ke import wait_status
 
 
@@ -119,6 +120,34 @@ def test_a_page_whose_ttls_come_back_late_is_not_taken_for_lost_keys(
     assert (report.checked, report.rearmed) == (1200, 1)
     row = client.store.get(far[300])
     assert row is not None and client.redis.pexpiretime(far[300]) == row.due_at_ms
+
+
+def test_a_task_rescheduled_while_the_walk_checks_its_page_keeps_its_new_due(
+    settings: Settings, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by the soaks (7-21 s late, outside any fault): a reschedule landed between the
+    # walk's read of a page and its read of the page's TTLs; the key's new expiry looked wrong
+    # against the old due the page held, and was put back to it. The key fired at the old due
+    # (the claim found the row not yet due), nothing at the new one.
+    far = _far(client, 50)
+    execute = redis.client.Pipeline.execute
+    moved: list[str] = []
+
+    def reschedule_first(self: redis.client.Pipeline, *args: Any, **kw: Any) -> Any:
+        if not moved and self.command_stack and self.command_stack[0][0][0] == "PTTL":
+            moved.append(client.create(sample_tasks.Probe.record, "far7", ttl_s=7200))
+        return execute(self, *args, **kw)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", reschedule_first)
+    rt = Runtime.open(settings)
+    try:
+        report = Reconciler.of(rt).run()
+    finally:
+        rt.close()
+    assert moved == [far[7]]
+    assert (report.checked, report.rearmed) == (50, 0)
+    row = client.store.get(far[7])
+    assert row is not None and client.redis.pexpiretime(far[7]) == row.due_at_ms
 
 
 def test_a_reconciliation_asked_for_during_the_walk_walks_again_after_it(

@@ -371,6 +371,7 @@ class Reconciler:
                     self.requeued_total += len(keys)
             else:
                 to_arm.extend(overdue)
+        to_arm = self._unchanged(to_arm)
         report.rearmed += len(to_arm)
         if dry_run or not to_arm:
             return
@@ -378,6 +379,25 @@ class Reconciler:
         self.rearmed_total += len(to_arm)
         for row in to_arm:
             logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")
+
+    def _unchanged(self, rows: list[PendingKey]) -> list[PendingKey]:
+        """The rows of `rows` still pending at the due time the page was read with.
+
+        A row changed since (rescheduled, cancelled, claimed) had its key set or removed by
+        whoever changed it; arming the due time the page read would undo that. Seen in the
+        soaks: a task rescheduled a moment after a fault's reconnect, while that reconnect's
+        walk read its page, got its key put back to the old due (its new one looked wrong), so
+        nothing fired at the new due and it ran at the overdue check, 7-21 s late."""
+        if not rows:
+            return rows
+        fresh = self.store.get_many([r.key for r in rows])
+        return [
+            r
+            for r in rows
+            if (now := fresh.get(r.key)) is not None
+            and now.status is TaskStatus.PENDING
+            and now.due_at_ms == r.due_at_ms
+        ]
 
     def _sound(
         self, page: list[PendingKey], report: ReconcileReport, now_ms: int
