@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
@@ -15,6 +17,7 @@ from sqlalchemy import event
 
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import StoreError
+from keyexpiry.ledger.engine import UNACKED_S, autocommit_engine
 from keyexpiry.ledger.scans import KEYS_START
 from keyexpiry.ledger.store import NewTask, Outcome, Store, TaskRow, TaskStatus, make_engine
 from keyexpiry.ledger.upsert import LiteralUpsert
@@ -236,6 +239,38 @@ def test_postgres_connections_wait_at_most_5_s_on_a_row_lock(pg_url: str) -> Non
     with engine.connect() as conn:
         assert conn.exec_driver_sql("SHOW lock_timeout").scalar_one() == "2s"
     engine.dispose()
+
+
+def _unacked_limit_ms(dbapi_conn: Any) -> int:
+    """TCP_USER_TIMEOUT of a driver connection's socket, read from the socket itself."""
+    fd = dbapi_conn.pgconn.socket if hasattr(dbapi_conn, "pgconn") else dbapi_conn._sock.fileno()
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+    finally:
+        sock.close()
+
+
+def test_ledger_connections_give_up_on_unacknowledged_bytes_after_5_s(server_db_url: str) -> None:
+    # A connection a network partition caught otherwise waits for TCP's next retransmission
+    # after the heal (28 s after a 27 s partition: tests/faults/test_network_faults.py). Both
+    # pools, both drivers; the URL's own setting is kept.
+    store = Store(make_engine(server_db_url))
+    try:
+        with store.engine.connect() as conn:
+            assert _unacked_limit_ms(conn.connection.dbapi_connection) == UNACKED_S * 1000
+        auto = autocommit_engine(store.engine)
+        assert auto is not None
+        with auto.connect() as conn:
+            assert _unacked_limit_ms(conn.connection.dbapi_connection) == UNACKED_S * 1000
+    finally:
+        store.engine.dispose()
+    if server_db_url.startswith("postgresql"):
+        sep = "&" if "?" in server_db_url else "?"
+        own = make_engine(f"{server_db_url}{sep}tcp_user_timeout=7000")
+        with own.connect() as conn:
+            assert _unacked_limit_ms(conn.connection.dbapi_connection) == 7000
+        own.dispose()
 
 
 def _com(conn: Any, *names: str) -> dict[str, int]:
