@@ -237,6 +237,8 @@ class Fleet:
             for i, url in enumerate(redis_urls)
         ]
         if netns is not None:
+            if len(self.slots) <= NET_SLOT:
+                raise ValueError(f"a network namespace needs {NET_SLOT + 1} listeners or more")
             self.slots[NET_SLOT].netns = netns
         self.incarnations = _Lines(run_dir / "listeners.jsonl")
         self._stop = threading.Event()

@@ -103,6 +103,11 @@ def _soak(
         )
     if redis not in ("sentinel", "cluster"):
         raise ConfigError("the soak's Redis is sentinel or cluster (--redis)")
+    if network:
+        from keyexpiry.bench.servers.netns import available
+
+        if why := available():
+            raise ConfigError(f"--network: {why}")
     cfg = soak.SoakConfig.quick(minutes if minutes != 10.0 else 2.0) if quick else None
     cfg = replace(
         cfg or soak.SoakConfig(minutes=minutes), ledger=backends[0], redis=redis, network=network

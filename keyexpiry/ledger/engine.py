@@ -4,6 +4,7 @@ says (`error_code`, `not_serving`)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import threading
@@ -28,11 +29,16 @@ UNACKED_S = 5
 connection is given up (TCP_USER_TIMEOUT). Only a path that drops packets gets there: a server
 that is merely slow or paused still has its kernel acknowledge them. Without it a connection
 caught by a network partition waits out TCP's retransmission backoff after the network heals
-(up to two minutes between tries); the soak's 20 s partition from the ledger left a listener
-stalled for seconds after the heal, longer partitions for longer."""
+(up to two minutes between tries): after a 27 s partition from the ledger a listener ran
+tasks again 28 s after the heal (`tests/faults/test_network_faults.py`), now within 1.5 s."""
 CONNECT_TIMEOUT_S = 5
 """A connection attempt's limit, when the URL sets none (libpq waits for ever, PyMySQL 10 s):
 attempts made during a partition end, and the next one after the heal gets through at once."""
+KEEPALIVE_S = 5
+"""Idle seconds before a ledger connection is probed: a statement whose question the server's
+machine acknowledged but whose answer the network lost is given up after this plus
+`UNACKED_S`, not after the system's two hours. Probes are answered by the server's kernel, so a
+long statement is never mistaken for a dead link."""
 
 
 def error_code(exc: BaseException | None) -> int | str | None:
@@ -120,21 +126,38 @@ def make_engine(url: str) -> Engine:
 
 
 def _network_timeouts(url: str | URL) -> dict[str, Any]:
-    """The driver's connect arguments for `UNACKED_S` and `CONNECT_TIMEOUT_S`, each only where
-    the URL does not set its own."""
+    """The driver's connect arguments for `UNACKED_S`, `CONNECT_TIMEOUT_S` and `KEEPALIVE_S`,
+    each only where neither the URL nor libpq's environment sets its own: psycopg's (libpq's
+    keywords; `tcp_user_timeout` from libpq 12) and PyMySQL's `connect_timeout`. PyMySQL has no
+    keyword for the others: its socket gets them at connect (`_unacked_limit`). Another driver
+    gets nothing (it may not know the keywords)."""
     parsed = make_url(url)
-    wanted: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S}
-    if parsed.get_backend_name() == "postgresql":
-        wanted["tcp_user_timeout"] = UNACKED_S * 1000  # libpq's own, in ms
-    # PyMySQL has no such option: the socket gets it at connect (`_unacked_limit`).
+    driver = parsed.get_driver_name()
+    wanted: dict[str, Any] = {}
+    if driver == "pymysql":
+        wanted["connect_timeout"] = CONNECT_TIMEOUT_S
+    elif driver == "psycopg" and "service" not in parsed.query:
+        from psycopg import pq
+
+        if "PGCONNECT_TIMEOUT" not in os.environ:
+            wanted["connect_timeout"] = CONNECT_TIMEOUT_S
+        if pq.version() >= 120000:
+            wanted["tcp_user_timeout"] = UNACKED_S * 1000  # ms
+        # An answer lost after its question was acknowledged is found by keepalive probes,
+        # which are unacknowledged bytes too: gone after KEEPALIVE_S + UNACKED_S.
+        wanted.update(keepalives=1, keepalives_idle=KEEPALIVE_S, keepalives_interval=1)
     return {k: v for k, v in wanted.items() if k not in parsed.query}
 
 
 def _unacked_limit(dbapi_conn: Any) -> None:
+    """PyMySQL's socket: `UNACKED_S` and keepalive probes after `KEEPALIVE_S` idle (Linux)."""
     sock = getattr(dbapi_conn, "_sock", None)
-    option = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux only
-    if sock is not None and option is not None and sock.family != socket.AF_UNIX:
-        sock.setsockopt(socket.IPPROTO_TCP, option, UNACKED_S * 1000)
+    if sock is None or sock.family == socket.AF_UNIX or not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKED_S * 1000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
 
 
 def postgres_driver(url: str) -> str:

@@ -4,6 +4,7 @@ expired leases and their requeue."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from sqlalchemy import ColumnElement, Connection, Text, and_, func, literal, or_, select, update
@@ -90,6 +91,20 @@ class ScanQueries(Ledger):
         with self._tx() as conn:
             rows = conn.execute(q.order_by(T.c.due_at_ms, T.c.task_key).limit(limit)).all()
         return [_pending_key(k, d, a) for k, d, a in rows]
+
+    @retried_once
+    def pending_again(self, keys: Sequence[str]) -> dict[str, PendingKey]:
+        """The rows of `keys` that are pending now, as `pending_keys_page` reads them: by key
+        through the unique index, three small columns (reconciliation reads a page's rows again
+        before re-arming their keys)."""
+        if not keys:
+            return {}
+        q = select(T.c.task_key, T.c.due_at_ms, T.c.attempts).where(
+            T.c.task_key.in_(list(keys)), T.c.status == TaskStatus.PENDING.value
+        )
+        with self._tx() as conn:
+            rows = conn.execute(q).all()
+        return {p.key: p for p in (_pending_key(k, d, a) for k, d, a in rows)}
 
     @retried_once
     def upcoming(self, *, after_ms: int, upto_ms: int, limit: int) -> list[tuple[str, int]]:

@@ -276,17 +276,19 @@ class Reconciler:
         Unless it claimed one of them after `silent_since_ms`: then it is alive and its row's
         time is stale (a heartbeat held by the network and written late puts an old time back;
         seen with a 27 s partition from the ledger, whose held heartbeat landed after the heal
-        and had a run claimed after it requeued and run twice). Nothing is requeued then
+        and had a run claimed after it requeued and run twice). Nothing more is requeued then
         (`claimed_since_silent` says how many); its next heartbeat settles it."""
         report = ReconcileReport()
         seen: set[int] = set()
-        first = self.store.runs_of(listener_id, limit=PAGE_ROWS)
-        recent = [r for r in first if (r.started_at_ms or 0) >= silent_since_ms]
-        if recent:
-            report.claimed_since_silent = len(recent)
-            return report
         while True:  # a page at a time: each requeued row leaves the next page's range
             rows = [r for r in self.store.runs_of(listener_id, limit=PAGE_ROWS) if r.id not in seen]
+            # Checked on every page: a claim made while the pages are walked counts too. A row
+            # read here is requeued only under the token it was read with, so a run claimed
+            # after this read is never the one requeued.
+            recent = [r for r in rows if (r.started_at_ms or 0) >= silent_since_ms]
+            if recent:
+                report.claimed_since_silent = len(recent)
+                return report
             seen.update(r.id for r in rows)
             self._requeue(
                 rows, report, False, self.clock.now_ms(), "heartbeat lost", lease_expired=False
@@ -390,13 +392,11 @@ class Reconciler:
         nothing fired at the new due and it ran at the overdue check, 7-21 s late."""
         if not rows:
             return rows
-        fresh = self.store.get_many([r.key for r in rows])
+        fresh = self.store.pending_again([r.key for r in rows])
         return [
             r
             for r in rows
-            if (now := fresh.get(r.key)) is not None
-            and now.status is TaskStatus.PENDING
-            and now.due_at_ms == r.due_at_ms
+            if (now := fresh.get(r.key)) is not None and now.due_at_ms == r.due_at_ms
         ]
 
     def _sound(

@@ -76,8 +76,7 @@ class NetNamespace:
         n = NetNamespace._made
         self.work = work
         self.name = f"kx-{os.getpid()}-{n}"
-        tag = f"{os.getpid() % 100_000}{n}"[-9:]
-        self._host_if, self._ns_if = f"kxh{tag}", f"kxn{tag}"
+        self._host_if = self._ns_if = ""  # named after the subnet `start` takes
         self.address = ""
         """The namespace's side of the pair (bind its servers here)."""
         self.host_address = ""
@@ -105,6 +104,8 @@ class NetNamespace:
             third = next(str(k) for k in range(1, 255) if str(k) not in used)
             self.host_address = f"{NETNS_NET}.{third}.1"
             self.address = f"{NETNS_NET}.{third}.2"
+            # Unique while the subnet is taken (and the lock makes the choice one at a time).
+            self._host_if, self._ns_if = f"kxh{third}", f"kxn{third}"
             _run("ip", "netns", "add", self.name)
             atexit.register(self.stop)
             _run("ip", "link", "add", self._host_if, "type", "veth", "peer", "name", self._ns_if)
@@ -206,15 +207,17 @@ class NetNamespace:
 
     def heal(self) -> None:
         """End any fault: every rule gone, held packets let through."""
-        self._in("iptables", "-F", _CHAIN)
-        if self._delayer is not None:
-            self._delayer.terminate()  # it lets what it holds go on SIGTERM
-            try:
-                self._delayer.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._delayer.kill()
-                self._delayer.wait()
-            self._delayer = None
+        try:
+            self._in("iptables", "-F", _CHAIN)
+        finally:
+            if self._delayer is not None:
+                self._delayer.terminate()  # it lets what it holds go on SIGTERM
+                try:
+                    self._delayer.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._delayer.kill()
+                    self._delayer.wait()
+                self._delayer = None
         self.state = "healthy"
 
     def stop(self) -> None:
@@ -225,6 +228,7 @@ class NetNamespace:
             self._delayer = None
         with contextlib.suppress(ServerError):
             _run("ip", "netns", "delete", self.name)
-        with contextlib.suppress(ServerError):
-            _run("ip", "link", "delete", self._host_if)
+        if self._host_if:
+            with contextlib.suppress(ServerError):
+                _run("ip", "link", "delete", self._host_if)
         atexit.unregister(self.stop)
