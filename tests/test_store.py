@@ -17,7 +17,7 @@ from sqlalchemy import event
 
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import StoreError
-from keyexpiry.ledger.engine import UNACKED_S, autocommit_engine
+from keyexpiry.ledger.engine import KEEPALIVE_S, UNACKED_S, autocommit_engine
 from keyexpiry.ledger.scans import KEYS_START
 from keyexpiry.ledger.store import NewTask, Outcome, Store, TaskRow, TaskStatus, make_engine
 from keyexpiry.ledger.upsert import LiteralUpsert
@@ -242,10 +242,13 @@ def test_postgres_connections_wait_at_most_5_s_on_a_row_lock(pg_url: str) -> Non
 
 
 def _unacked_limit_ms(dbapi_conn: Any) -> int:
-    """TCP_USER_TIMEOUT of a driver connection's socket, read from the socket itself."""
+    """TCP_USER_TIMEOUT of a driver connection's socket, read from the socket itself, once its
+    keepalive probes are checked to start after `KEEPALIVE_S` idle."""
     fd = dbapi_conn.pgconn.socket if hasattr(dbapi_conn, "pgconn") else dbapi_conn._sock.fileno()
     sock = socket.socket(fileno=os.dup(fd))
     try:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_S
         return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
     finally:
         sock.close()
