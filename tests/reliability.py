@@ -201,7 +201,7 @@ def _read_rows() -> Iterator[Row]:
 
 SOAK_DIR = ROOT / "docs" / "soak"
 """The soak run docs/RELIABILITY.md shows: its `soak.json` and plots, copied from
-`bench-results/soak/<time>/` (`keyexpiry bench --scenario soak --minutes 30`)."""
+`bench-results/soak/<time>/` (`keyexpiry bench --scenario soak --minutes 60`)."""
 
 
 def _soak_section() -> list[str]:
@@ -223,7 +223,7 @@ def render(rows: Sequence[Row]) -> str:
         "# Reliability: the soak's and the fault suite's results",
         "",
         "Two kinds of evidence: an endurance soak (a fleet under steady load, hit by one fault",
-        "after another for half an hour, judged from its recorded history) and the fault suite",
+        "after another for an hour, judged from its recorded history) and the fault suite",
         "(each fault alone, on every ledger engine). The soak on the other topologies (PostgreSQL,",
         "a Redis Cluster) and what those runs found: docs/ENDURANCE.md.",
         "",
