@@ -266,10 +266,20 @@ def test_a_partition_from_the_ledger_documents_a_second_run_but_one_from_redis_d
     rec.run(2, 40.0, 40.1, pid=PID_A)
     rec.fault("net_partition_redis", 40.05, 60.0, pids=(PID_A,))
     rec.run(2, 46.0, 46.1, attempt=2, pid=PID_B)
+    # Seen in the first --network soak: claimed just before the rules took hold, started 11 ms
+    # after the fault's stamp, its outcome never recorded.
+    rec.create(3, due_s=70)
+    rec.fault("net_partition_ledger", 69.999, 90.0, pids=(PID_A,))
+    rec.run(3, 70.01, 70.01, pid=PID_A)
+    rec.run(3, 75.27, 75.27, attempt=2, pid=PID_B)
+    # Started after the partition had ended: not covered.
+    rec.create(4, due_s=95)
+    rec.run(4, 95.0, 95.0, pid=PID_A)
+    rec.run(4, 96.0, 96.0, attempt=2, pid=PID_B)
     report = judge(rec)
-    assert fate_ids(report, "ran_twice_documented") == [1]
-    assert report["fates"]["ran_twice_documented"]["by_fault"] == {"net_partition_ledger": 1}
-    assert fate_ids(report, "ran_twice_undocumented") == [2]
+    assert fate_ids(report, "ran_twice_documented") == [1, 3]
+    assert report["fates"]["ran_twice_documented"]["by_fault"] == {"net_partition_ledger": 2}
+    assert fate_ids(report, "ran_twice_undocumented") == [2, 4]
 
 
 def test_a_second_run_of_an_ambiguous_create_retried_is_documented(rec: Recorder) -> None:

@@ -43,6 +43,9 @@ WINDOW1_FAULTS = ("kill9", "sigstop", "net_partition_ledger")
 from the database by a network partition); a run's
 `params["window1_faults"]` overrides it (a `stall` cuts a listener off from the database, which
 GUARANTEES also puts in window 1)."""
+SPAN_FAULTS = frozenset({"net_partition_ledger"})
+"""Window-1 faults that last: a run of the listener they hit that started while they lasted is
+covered too (see `_documenting_fault`)."""
 LOST_COMMIT_SLACK_MS = 500
 """After a lost-commit fault's start stamp, how long the primary may still have answered (the
 fault finds the primary, then kills it)."""
@@ -80,8 +83,8 @@ class _Context:
     end_ms: int
     unfinished_grace_ms: int
     window1: frozenset[str]
-    # pid -> (fault start, kind) of the window-1 faults that hit it
-    window1_hits: dict[int, list[tuple[int, str]]]
+    # pid -> (fault start, fault end, kind) of the window-1 faults that hit it
+    window1_hits: dict[int, list[tuple[int, int, str]]]
     faults: list[Fault]
     # (from, to, kind): while a fault that may lose commits lasted, and the window before it
     # in which a commit answered may be missing afterwards (asynchronous replication)
@@ -103,11 +106,11 @@ class Fate:
 
 def _context(faults: list[Fault], params: dict[str, Any]) -> _Context:
     window1 = frozenset(params.get("window1_faults", WINDOW1_FAULTS))
-    hits: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    hits: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
     for f in faults:
         if f.kind in window1:
             for pid in f.pids:
-                hits[pid].append((f.start_ms, f.kind))
+                hits[pid].append((f.start_ms, f.end_ms, f.kind))
     lost_kinds = frozenset(params.get("lost_commit_faults", ()))
     window_ms = int(params.get("lost_commit_window_ms", 0))
     # Only what the lost primary had answered before it went: a commit answered after the
@@ -162,8 +165,13 @@ def _documenting_fault(task: Task, extra: Run, ctx: _Context) -> str | None:
     and before `extra` started (the work may be done, its outcome not recorded).
     """
     for earlier in _earlier_candidates(task, extra):
-        for start_ms, kind in ctx.window1_hits.get(earlier.pid, ()):
+        for start_ms, end_ms, kind in ctx.window1_hits.get(earlier.pid, ()):
             if earlier.start_ms <= start_ms <= extra.start_ms:
+                return kind
+            # Cut off from the database, a listener records nothing for as long as the
+            # partition lasts: a run it started then (claimed just before the cut took hold,
+            # a few ms after the fault's stamp) is as unrecorded as one started before.
+            if kind in SPAN_FAULTS and start_ms <= earlier.start_ms <= min(end_ms, extra.start_ms):
                 return kind
         # Its claim or its outcome committed just before the primary was lost, and missing
         # on the promoted standby: the task runs again.
