@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from keyexpiry import Client, Listener, Settings, TaskRequest
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.ledger.scans import ScanQueries
 from keyexpiry.ledger.store import NewTask, TaskStatus
-from keyexpiry.listener.reconcile import DUE_FIRST_MS, Reconciler
+from keyexpiry.listener.reconcile import DUE_FIRST_MS, Reconciler, ReconcileReport
 from keyexpiry.runtime import Runtime
 from tests import sample_tasks
 from tests.ke import wait_status
@@ -26,6 +27,28 @@ def _far(client: Client, n: int) -> list[str]:
     return client.create_many(
         TaskRequest("Probe.record", (f"far{i}",), ttl_s=3600 + i) for i in range(n)
     )
+
+
+def _pass_with(
+    settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+    before_ttls: Callable[[redis.client.Pipeline], None],
+) -> ReconcileReport:
+    """One full reconciliation pass on real servers, `before_ttls(pipe)` called just before
+    each page's TTLs are read (between the walk's read of the page and its check of the keys)."""
+    execute = redis.client.Pipeline.execute
+
+    def hooked(self: redis.client.Pipeline, *args: Any, **kw: Any) -> Any:
+        if self.command_stack and self.command_stack[0][0][0] == "PTTL":
+            before_ttls(self)
+        return execute(self, *args, **kw)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", hooked)
+    rt = Runtime.open(settings)
+    try:
+        return Reconciler.of(rt).run()
+    finally:
+        rt.close()
 
 
 def test_due_work_runs_while_the_walk_over_later_rows_is_in_progress(
@@ -101,21 +124,13 @@ def test_a_page_whose_ttls_come_back_late_is_not_taken_for_lost_keys(
     # the page then looked a second short, and all 1,000 were re-armed and counted as lost.
     far = _far(client, 1200)
     client.redis.delete(far[300])
-    execute = redis.client.Pipeline.execute
     stalled: list[int] = []
 
-    def slow(self: redis.client.Pipeline, *args: Any, **kw: Any) -> Any:
-        if self.command_stack and self.command_stack[0][0][0] == "PTTL":
-            stalled.append(len(self.command_stack))
-            time.sleep(1.5)  # the stall itself, not a wait for something
-        return execute(self, *args, **kw)
+    def slow(pipe: redis.client.Pipeline) -> None:
+        stalled.append(len(pipe.command_stack))
+        time.sleep(1.5)  # the stall itself, not a wait for something
 
-    monkeypatch.setattr(redis.client.Pipeline, "execute", slow)
-    rt = Runtime.open(settings)
-    try:
-        report = Reconciler.of(rt).run()
-    finally:
-        rt.close()
+    report = _pass_with(settings, monkeypatch, slow)
     assert stalled, "no page's TTLs were read"
     assert (report.checked, report.rearmed) == (1200, 1)
     row = client.store.get(far[300])
@@ -130,20 +145,13 @@ def test_a_task_rescheduled_while_the_walk_checks_its_page_keeps_its_new_due(
     # against the old due the page held, and was put back to it. The key fired at the old due
     # (the claim found the row not yet due), nothing at the new one.
     far = _far(client, 50)
-    execute = redis.client.Pipeline.execute
     moved: list[str] = []
 
-    def reschedule_first(self: redis.client.Pipeline, *args: Any, **kw: Any) -> Any:
-        if not moved and self.command_stack and self.command_stack[0][0][0] == "PTTL":
+    def reschedule_first(_pipe: redis.client.Pipeline) -> None:
+        if not moved:
             moved.append(client.create(sample_tasks.Probe.record, "far7", ttl_s=7200))
-        return execute(self, *args, **kw)
 
-    monkeypatch.setattr(redis.client.Pipeline, "execute", reschedule_first)
-    rt = Runtime.open(settings)
-    try:
-        report = Reconciler.of(rt).run()
-    finally:
-        rt.close()
+    report = _pass_with(settings, monkeypatch, reschedule_first)
     assert moved == [far[7]]
     assert (report.checked, report.rearmed) == (50, 0)
     row = client.store.get(far[7])

@@ -22,6 +22,7 @@ from keyexpiry.bench.servers.netns import NetNamespace, available
 from tests import sample_tasks
 from tests.conftest import RedisFactory
 from tests.faults.spawn import Spawned
+from tests.faults.test_process_faults import RunsFile
 from tests.ke import Running, make_settings
 from tests.reliability import Verdict
 
@@ -85,14 +86,6 @@ def _start_pair(
     return Client(settings), cut_runs, peer_runs, readyz
 
 
-def _runs(*files: Path) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for path in files:
-        for key, n in sample_tasks.runs_in(path).items():
-            total[key] = total.get(key, 0) + n
-    return total
-
-
 @pytest.mark.parametrize(
     ("side", "cut_s", "server_db_url"),
     [
@@ -144,10 +137,11 @@ def test_a_listener_partitioned_from_one_side_loses_nothing_and_comes_back(
             )
             # The peer runs all of them before the network heals.
             wait_until(
-                lambda: all(k in _runs(peer_runs, cut_runs) for k in keys),
+                lambda: all(k in RunsFile(peer_runs, cut_runs) for k in keys),
                 max(0.1, SHARE_TAKEN_S - (c.clock.now_ms() - cut_ms) / 1000),
                 message="the cut listener's share waited for the partition to end",
             )
+            # The fault's own length, not a wait for something.
             time.sleep(max(0.0, cut_s - (c.clock.now_ms() - cut_ms) / 1000))
         finally:
             netns.heal()
@@ -157,9 +151,9 @@ def test_a_listener_partitioned_from_one_side_loses_nothing_and_comes_back(
             early + keys,
             fault_at_ms=cut_ms,
             at_least_once=side == "ledger",
-            calls=_Fresh(peer_runs, cut_runs),
+            calls=RunsFile(peer_runs, cut_runs),
         )
-        merged = _runs(peer_runs, cut_runs)
+        merged = RunsFile(peer_runs, cut_runs)
         rows = c.store.get_many(early + keys)
         twice = [k for k in early + keys if merged.get(k, 0) > 1]
         # A second run is a takeover's second attempt, never a second claim of one attempt.
@@ -182,10 +176,9 @@ def test_a_listener_partitioned_from_one_side_loses_nothing_and_comes_back(
         wait_until(ran_again, 30, interval_s=0.5, message="the cut listener never ran again")
         back_s = time.monotonic() - healed
         assert back_s <= BACK_S, f"the cut listener ran again only {back_s:.1f} s after the heal"
-        print(f"back {back_s:.1f} s after the heal")
         # /readyz asks the ledger at most once a second.
         wait_until(lambda: _ready(readyz), 10, message="the cut listener never got ready again")
-        verdict.check(c, later, calls=_Fresh(peer_runs, cut_runs))
+        verdict.check(c, later, calls=RunsFile(peer_runs, cut_runs))
 
 
 def test_a_listener_on_a_slow_lossy_network_runs_every_task_once(
@@ -210,7 +203,7 @@ def test_a_listener_on_a_slow_lossy_network_runs_every_task_once(
             keys = c.create_many(
                 TaskRequest("Probe.logged", (f"slow{i}",), ttl_ms=500 + 100 * i) for i in range(50)
             )
-            row = verdict.check(c, keys, calls=_Fresh(runs), timeout_s=30)
+            row = verdict.check(c, keys, calls=RunsFile(runs), timeout_s=30)
         finally:
             netns.heal()
         rows = c.store.get_many(keys).values()
@@ -219,21 +212,6 @@ def test_a_listener_on_a_slow_lossy_network_runs_every_task_once(
         # The network was slow for real: a run's claim and outcome took round trips of it.
         assert late_ms[len(late_ms) // 2] >= 100, late_ms
         assert row.run_twice == 0
-
-
-class _Fresh(dict[str, int]):
-    """Runs per key across the files, read when first asked (after the verdict's wait)."""
-
-    def __init__(self, *files: Path) -> None:
-        super().__init__()
-        self._files = files
-        self._read = False
-
-    def get(self, key: str, default: int = 0) -> int:  # type: ignore[override]
-        if not self._read:
-            self.update(_runs(*self._files))
-            self._read = True
-        return super().get(key, default)
 
 
 def test_the_namespace_reaches_loopback_servers_and_a_cut_stops_only_its_packets(

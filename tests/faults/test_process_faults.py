@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -465,16 +466,20 @@ _SMALL_PUBSUB_BUFFER = ["--client-output-buffer-limit", "pubsub", "1mb", "256kb"
 
 
 class RunsFile(Mapping[str, int]):
-    """Runs per key that `Probe.logged` wrote to a file, read once on first use (after the
-    wait: a run is in the file before its outcome reaches the ledger)."""
+    """Runs per key that `Probe.logged` wrote to a file (or to several, one per listener,
+    summed), read once on first use (after the wait: a run is in the file before its outcome
+    reaches the ledger)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, *paths: Path) -> None:
+        self.paths = paths
         self._counts: Mapping[str, int] | None = None
 
     def _read(self) -> Mapping[str, int]:
         if self._counts is None:
-            self._counts = sample_tasks.runs_in(self.path)
+            total: Counter[str] = Counter()
+            for path in self.paths:
+                total += sample_tasks.runs_in(path)
+            self._counts = total
         return self._counts
 
     def __getitem__(self, key: str) -> int:
