@@ -749,3 +749,33 @@ def test_a_step_is_named_in_the_failures_with_start_median_and_end(rec: Recorder
     assert not report["passed"]
     [failure] = [f for f in report["failures"] if "rss_mb" in f]
     assert "80 (start) -> 95 (median) -> 95 (end)" in failure
+
+
+def test_connections_that_wobble_with_load_pass_and_a_leaked_one_fails(rec: Recorder) -> None:
+    # A Cluster listener's six per-node pools, sampled every 10 s, hold 12 to 17 connections
+    # with the load of the moment; its last three samples landed on 15, 17, 15 against a start
+    # of 13 (ba680d1's soak failed on that). A pool a recovery leaked stays in every sample.
+    wobble = [13, 12, 14, 16, 13, 12, 15, 17, 14, 12, 13, 16]
+    for t_s in range(0, 601, 10):
+        i = t_s // 10
+        crest = [15, 17, 15][i - 58] if i >= 58 else wobble[i % len(wobble)]
+        leaked = wobble[i % len(wobble)] + (3 if t_s >= 300 else 0)
+        rec.sample(
+            t_s,
+            [
+                listener(0, PID_A, 0, redis_conns=crest),
+                listener(1, PID_B, 0, redis_conns=leaked),
+            ],
+        )
+    report = judge(rec)
+    by_pid = {p["pid"]: p for p in report["growth"]["listeners"]}
+    conns_a = by_pid[PID_A]["metrics"]["redis_conns"]
+    assert conns_a["passed"], conns_a
+    assert conns_a["basis"] == "floor of 6 samples"
+    conns_b = by_pid[PID_B]["metrics"]["redis_conns"]
+    assert not conns_b["passed"]
+    assert (conns_b["start"], conns_b["end"]) == (12, 15)
+    [failure] = [f for f in report["failures"] if "redis_conns" in f]
+    assert f"pid {PID_B}" in failure and "each the floor of 6 samples" in failure
+    # The same crest judged by the median of three ends, as before: a step.
+    assert not growth_check([13.0] * 6 + wobble * 4 + [15.0, 17.0, 15.0], True, 0.10)["passed"]

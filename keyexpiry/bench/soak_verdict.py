@@ -53,6 +53,9 @@ GROWTH_METRICS = ("rss_mb", "fds", "threads", "ledger_conns", "redis_conns")
 INTEGER_METRICS = frozenset({"fds", "threads", "ledger_conns", "redis_conns"})
 MIN_GROWTH_SAMPLES = 6
 END_SAMPLES = 3
+END_WINDOW_S = 60.0
+"""A listener's counts are judged by their floor over the first and the last minute (at least
+`END_SAMPLES` samples): the issue's "back to their level within a minute after each fault"."""
 FINISHED_STATUSES = ("done", "dead", "cancelled")
 LEDGER_BOUND_SLACK = 1.25
 
@@ -467,22 +470,32 @@ def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]
 # --- growth --------------------------------------------------------------------------------
 
 
-def growth_check(values: list[float], integer: bool, limit: float) -> dict[str, Any]:
-    """Did `values` grow past `limit`? Two ways: the end (median of the last 3) against the
-    median of all, which catches a steady climb, and the end against the start (median of the
-    first 3), which catches a step that came early and stayed: connections stepping 5 -> 9 at a
-    failover a quarter of the way in leave the median at 9, and a fleet run for months of such
-    faults adds them up.
+def growth_check(
+    values: list[float], integer: bool, limit: float, window: int = END_SAMPLES, floor: bool = False
+) -> dict[str, Any]:
+    """Did `values` grow past `limit`? Two ways: the end (median of the last `window`) against
+    the median of all, which catches a steady climb, and the end against the start (median of
+    the first `window`), which catches a step that came early and stayed: connections stepping
+    5 -> 9 at a failover a quarter of the way in leave the median at 9, and a fleet run for
+    months of such faults adds them up.
 
     growth = end / median - 1, step = end / start - 1. A count (descriptors, threads,
     connections) must also have risen by more than 1: a count of 6 cannot move by 10 %, its next
     step (7) is already +17 %, so a relative limit alone would fail on a single descriptor
     opened at the wrong moment. From 0, the ratio is None and any rise (more than 1 for a
     count) fails.
+
+    With `floor`, start and end are the least of their `window` instead of the median: a pool's
+    connections wobble with the load of the moment (a Cluster listener's six per-node pools
+    between 12 and 17 all run long, sampled every 10 s), so three samples at either end can land
+    on a crest or a trough; a connection that leaked, or a pool a recovery left open, is there in
+    every sample and raises the floor.
     """
+    window = max(1, min(window, len(values)))
     median = statistics.median(values)
-    start = statistics.median(values[:END_SAMPLES])
-    end = statistics.median(values[-END_SAMPLES:])
+    pick = min if floor else statistics.median
+    start = pick(values[:window])
+    end = pick(values[-window:])
 
     def rose(base: float) -> tuple[bool, float | None]:
         rise = end - base
@@ -490,11 +503,15 @@ def growth_check(values: list[float], integer: bool, limit: float) -> dict[str, 
         up = rise > 0 if ratio is None else ratio > limit
         return (up and rise > 1 if integer else up), ratio
 
-    grew, growth = rose(median)
+    # The floor sits below the median of a wobbling series, so the climb check compares it with
+    # the floor of the middle: a steady climb still lifts every floor.
+    middle = median if not floor else _middle_floor(values, window)
+    grew, growth = rose(middle)
     stepped, step = rose(start)
     return {
+        "basis": f"floor of {window} samples" if floor else "median",
         "start": round(start, 3),
-        "median": round(median, 3),
+        "median": round(middle, 3),
         "end": round(end, 3),
         "max": round(max(values), 3),
         "growth": None if growth is None else round(growth, 4),
@@ -503,10 +520,22 @@ def growth_check(values: list[float], integer: bool, limit: float) -> dict[str, 
     }
 
 
-def _series_check(rows: list[tuple[int, float]], integer: bool, limit: float) -> dict[str, Any]:
+def _middle_floor(values: list[float], window: int) -> float:
+    mid = max(0, len(values) // 2 - window // 2)
+    return min(values[mid : mid + window])
+
+
+def _series_check(
+    rows: list[tuple[int, float]], integer: bool, limit: float, floor: bool = False
+) -> dict[str, Any]:
     if len(rows) < MIN_GROWTH_SAMPLES:
         return {"status": "too_short", "samples": len(rows), "passed": True}
-    check = growth_check([v for _, v in rows], integer, limit)
+    window = END_SAMPLES
+    if floor:
+        last_ms = rows[-1][0]
+        in_last = sum(1 for t, _ in rows if t > last_ms - END_WINDOW_S * 1000)
+        window = max(END_SAMPLES, min(in_last, len(rows) // 3))
+    check = growth_check([v for _, v in rows], integer, limit, window, floor)
     return {"status": "ok" if check["passed"] else "grew", "samples": len(rows), **check}
 
 
@@ -529,6 +558,7 @@ def _listener_growth(history: History, params: dict[str, Any]) -> list[dict[str,
                 [(t, float(e[name])) for t, e in kept if e.get(name) is not None],
                 name in INTEGER_METRICS,
                 limit,
+                floor=name in INTEGER_METRICS,
             )
             for name in GROWTH_METRICS
         }
@@ -695,6 +725,13 @@ def _ids(section: dict[str, Any]) -> str:
 
 def _grew(m: dict[str, Any]) -> str:
     """How a series failed `growth_check`: start, median and end, and both ratios."""
+    basis = m.get("basis", "median")
+    if basis != "median":
+        return (
+            f"grew {m['start']:g} (start) -> {m['median']:g} (middle) -> {m['end']:g} (end), "
+            f"each the {basis}: growth {m['growth']} against the middle, {m['step']} against "
+            "the start"
+        )
     return (
         f"grew {m['start']:g} (start) -> {m['median']:g} (median) -> {m['end']:g} (end): "
         f"growth {m['growth']} against the median, {m['step']} against the start"
