@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ from sqlalchemy import event
 
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.errors import StoreError
+from keyexpiry.ledger import engine as engine_module
 from keyexpiry.ledger.engine import KEEPALIVE_S, UNACKED_S, autocommit_engine
 from keyexpiry.ledger.scans import KEYS_START
 from keyexpiry.ledger.store import NewTask, Outcome, Store, TaskRow, TaskStatus, make_engine
@@ -274,6 +276,67 @@ def test_ledger_connections_give_up_on_unacknowledged_bytes_after_5_s(server_db_
         with own.connect() as conn:
             assert _unacked_limit_ms(conn.connection.dbapi_connection) == 7000
         own.dispose()
+
+
+def test_a_mariadb_connection_whose_server_goes_quiet_in_the_handshake_gives_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A server (or a network) that accepts the TCP connection and then says nothing: PyMySQL's
+    # connect_timeout covered the TCP connect alone, and the handshake's read waited for ever.
+    monkeypatch.setattr(engine_module, "CONNECT_TIMEOUT_S", 1)
+    quiet = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def take() -> None:
+        with contextlib.suppress(OSError):  # closed at the end
+            while True:
+                accepted.append(quiet.accept()[0])
+
+    taking = threading.Thread(target=take, daemon=True)
+    taking.start()
+    store = Store(make_engine(f"mysql+pymysql://root@127.0.0.1:{quiet.getsockname()[1]}/kx"))
+    errors: list[BaseException] = []
+
+    def attempt(call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - what matters is that it ends, and how
+            errors.append(exc)
+
+    try:
+        for call in (  # the main pool, then the autocommit pool of single creates
+            lambda: store.get("A@m@1"),
+            lambda: store.upsert_pending([new("A@m@1")], NOW),
+        ):
+            trying = threading.Thread(target=attempt, args=(call,), daemon=True)
+            trying.start()
+            trying.join(20)
+            assert not trying.is_alive(), "the handshake is still waiting"
+        assert len(errors) == 2 and all(isinstance(e, StoreError) for e in errors), errors
+        assert all("timed out" in str(e) for e in errors), errors
+    finally:
+        with contextlib.suppress(OSError):
+            quiet.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not)
+        quiet.close()
+        taking.join(5)
+        assert not taking.is_alive()
+        for conn in accepted:
+            conn.close()
+        store.engine.dispose()
+
+
+def test_a_statement_on_mariadb_is_not_bound_by_the_handshakes_read_timeout(
+    mysql_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_module, "CONNECT_TIMEOUT_S", 1)
+    store = Store(make_engine(mysql_url))
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT SLEEP(1.5)").scalar() == 0
+    auto = store._autocommit
+    assert auto is not None
+    with auto.connect() as conn:
+        assert conn.exec_driver_sql("SELECT SLEEP(1.5)").scalar() == 0
+    store.engine.dispose()
 
 
 def _com(conn: Any, *names: str) -> dict[str, int]:

@@ -96,9 +96,10 @@ def make_engine(url: str) -> Engine:
                 cur.close()
 
             return engine
+        connect_args = _network_timeouts(url)
         engine = create_engine(
             url,
-            connect_args=_network_timeouts(url),
+            connect_args=connect_args,
             # No pre-ping (a round trip per checkout, on every create and claim): a statement
             # that finds its connection dead is retried once on a fresh one instead (see
             # `_retried`); every statement here is safe to repeat.
@@ -111,6 +112,7 @@ def make_engine(url: str) -> Engine:
             isolation_level="READ COMMITTED",
         )
 
+        _bounded_handshake(engine, connect_args)
         event.listen(engine, "connect", _session_setup(engine.dialect.name))
         event.listen(engine, "handle_error", _not_serving_is_a_disconnect)
         if _shares_tls(engine):
@@ -136,6 +138,10 @@ def _network_timeouts(url: str | URL) -> dict[str, Any]:
     wanted: dict[str, Any] = {}
     if driver == "pymysql":
         wanted["connect_timeout"] = CONNECT_TIMEOUT_S
+        # PyMySQL's connect_timeout ends at the TCP connect: a server (or a network) that goes
+        # quiet during the handshake after it would hold the connect for ever. Reads time out
+        # until the handshake is over; `_handshake_over` then lifts it for statements.
+        wanted["read_timeout"] = CONNECT_TIMEOUT_S
     elif driver == "psycopg" and "service" not in parsed.query:
         from psycopg import pq
 
@@ -147,6 +153,18 @@ def _network_timeouts(url: str | URL) -> dict[str, Any]:
         # which are unacknowledged bytes too: gone after KEEPALIVE_S + UNACKED_S.
         wanted.update(keepalives=1, keepalives_idle=KEEPALIVE_S, keepalives_interval=1)
     return {k: v for k, v in wanted.items() if k not in parsed.query}
+
+
+def _bounded_handshake(engine: Engine, connect_args: dict[str, Any]) -> None:
+    """Lift the handshake's read timeout once a connection is made, where `_network_timeouts`
+    set it (a URL's own `read_timeout` stays)."""
+    if "read_timeout" in connect_args:
+        event.listen(engine, "connect", _handshake_over, insert=True)
+
+
+def _handshake_over(dbapi_conn: Any, _record: Any) -> None:
+    # PyMySQL sets its socket's timeout from this before each read.
+    dbapi_conn._read_timeout = None
 
 
 def _unacked_limit(dbapi_conn: Any) -> None:
@@ -281,10 +299,11 @@ def autocommit_engine(engine: Engine) -> Engine | None:
     """
     if engine.dialect.name == "sqlite":
         return None
+    connect_args = _network_timeouts(engine.url)
     try:
         auto = create_engine(
             engine.url,
-            connect_args=_network_timeouts(engine.url),
+            connect_args=connect_args,
             pool_pre_ping=False,  # as on the main pool: a dead connection is retried instead
             pool_reset_on_return=None,
             pool_recycle=1800,
@@ -294,6 +313,7 @@ def autocommit_engine(engine: Engine) -> Engine | None:
         )
     except TypeError:
         return None
+    _bounded_handshake(auto, connect_args)
     if engine.dialect.name == "postgresql":
         # READ COMMITTED is PostgreSQL's default, and each statement here is a transaction.
         event.listen(auto, "connect", _short_lock_waits_pg)
