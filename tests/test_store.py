@@ -300,7 +300,7 @@ def test_a_mariadb_connection_whose_server_goes_quiet_in_the_handshake_gives_up(
     def attempt(call: Callable[[], Any]) -> None:
         try:
             call()
-        except BaseException as exc:  # noqa: BLE001 - what matters is that it ends, and how
+        except BaseException as exc:  # what matters is that it ends, and how
             errors.append(exc)
 
     try:
