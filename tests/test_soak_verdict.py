@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -734,7 +735,7 @@ def test_a_step_that_comes_early_and_stays_fails_growth() -> None:
     # so only the end against the start shows the step.
     stepped = growth_check([5.0] * 12 + [9.0] * 36, integer=True, limit=0.10)
     assert not stepped["passed"]
-    assert (stepped["start"], stepped["median"], stepped["end"]) == (5, 9, 9)
+    assert (stepped["start"], stepped["middle"], stepped["end"]) == (5, 9, 9)
     assert stepped["growth"] == 0 and stepped["step"] == pytest.approx(0.8)
     # RSS stepping 82 -> 92 MB early on, flat after: the same.
     assert not growth_check([82.0] * 10 + [92.0] * 38, integer=False, limit=0.10)["passed"]
@@ -748,7 +749,22 @@ def test_a_step_is_named_in_the_failures_with_start_median_and_end(rec: Recorder
     report = judge(rec)
     assert not report["passed"]
     [failure] = [f for f in report["failures"] if "rss_mb" in f]
-    assert "80 (start) -> 95 (median) -> 95 (end)" in failure
+    assert "80 (start) -> 95 (middle) -> 95 (end)" in failure
+
+
+def _judged_conns(
+    rec: Recorder, conns_a: Callable[[int], int], conns_b: Callable[[int], int]
+) -> dict[str, Any]:
+    """Two listeners' Redis connections every 10 s for 600 s, judged."""
+    for t_s in range(0, 601, 10):
+        rec.sample(
+            t_s,
+            [
+                listener(0, PID_A, 0, redis_conns=conns_a(t_s)),
+                listener(1, PID_B, 0, redis_conns=conns_b(t_s)),
+            ],
+        )
+    return judge(rec)
 
 
 def test_connections_that_wobble_with_load_pass_and_a_leaked_one_fails(rec: Recorder) -> None:
@@ -756,26 +772,44 @@ def test_connections_that_wobble_with_load_pass_and_a_leaked_one_fails(rec: Reco
     # with the load of the moment; its last three samples landed on 15, 17, 15 against a start
     # of 13 (ba680d1's soak failed on that). A pool a recovery leaked stays in every sample.
     wobble = [13, 12, 14, 16, 13, 12, 15, 17, 14, 12, 13, 16]
-    for t_s in range(0, 601, 10):
+
+    def crest(t_s: int) -> int:
         i = t_s // 10
-        crest = [15, 17, 15][i - 58] if i >= 58 else wobble[i % len(wobble)]
-        leaked = wobble[i % len(wobble)] + (3 if t_s >= 300 else 0)
-        rec.sample(
-            t_s,
-            [
-                listener(0, PID_A, 0, redis_conns=crest),
-                listener(1, PID_B, 0, redis_conns=leaked),
-            ],
-        )
-    report = judge(rec)
+        return [15, 17, 15][i - 58] if i >= 58 else wobble[i % len(wobble)]
+
+    report = _judged_conns(
+        rec, crest, lambda t_s: wobble[t_s // 10 % len(wobble)] + (3 if t_s >= 300 else 0)
+    )
     by_pid = {p["pid"]: p for p in report["growth"]["listeners"]}
     conns_a = by_pid[PID_A]["metrics"]["redis_conns"]
     assert conns_a["passed"], conns_a
-    assert conns_a["basis"] == "floor of 6 samples"
+    assert conns_a["basis"].startswith("floor over 60 s")
     conns_b = by_pid[PID_B]["metrics"]["redis_conns"]
     assert not conns_b["passed"]
     assert (conns_b["start"], conns_b["end"]) == (12, 15)
     [failure] = [f for f in report["failures"] if "redis_conns" in f]
-    assert f"pid {PID_B}" in failure and "each the floor of 6 samples" in failure
+    assert f"pid {PID_B}" in failure and "each a floor over 60 s" in failure
     # The same crest judged by the median of three ends, as before: a step.
     assert not growth_check([13.0] * 6 + wobble * 4 + [15.0, 17.0, 15.0], True, 0.10)["passed"]
+
+
+def test_a_dip_in_a_fault_window_neither_hides_a_leak_nor_makes_one(rec: Recorder) -> None:
+    # A restart closes every connection for a moment: a sample at 0 or 2 inside its window is
+    # not the listener's floor. One listener leaked 4 connections at 300 s and dipped to 2 in
+    # the last minute's fault; the other dipped to 3 in the first minute's, and is flat.
+    rec.fault("ledger_restart", 135, 140)
+    rec.fault("ledger_restart", 565, 570)
+
+    def in_fault(t_s: int) -> bool:
+        return 135 <= t_s <= 150 or 565 <= t_s <= 580
+
+    report = _judged_conns(
+        rec,
+        lambda t_s: 2 if in_fault(t_s) and t_s > 500 else (9 if t_s >= 300 else 5),
+        lambda t_s: 3 if in_fault(t_s) and t_s < 200 else 6,
+    )
+    by_pid = {p["pid"]: p for p in report["growth"]["listeners"]}
+    leak = by_pid[PID_A]["metrics"]["redis_conns"]
+    assert not leak["passed"] and (leak["start"], leak["end"]) == (5, 9), leak
+    flat_conns = by_pid[PID_B]["metrics"]["redis_conns"]
+    assert flat_conns["passed"] and flat_conns["start"] == 6, flat_conns

@@ -278,11 +278,25 @@ def test_ledger_connections_give_up_on_unacknowledged_bytes_after_5_s(server_db_
         own.dispose()
 
 
+def _greeting_offering_tls() -> bytes:
+    """A MySQL protocol v10 server greeting that offers TLS (CLIENT_SSL among its flags)."""
+    caps = 0x0200 | 0x0800 | 0x8000 | 0x80000  # PROTOCOL_41, SSL, SECURE_CONNECTION, PLUGIN_AUTH
+    payload = (
+        b"\x0a" + b"10.11.0-quiet\x00" + (7).to_bytes(4, "little") + b"abcdefgh\x00"
+        + (caps & 0xFFFF).to_bytes(2, "little") + b"\x21" + b"\x02\x00"
+        + (caps >> 16).to_bytes(2, "little") + b"\x15" + b"\x00" * 10
+        + b"ijklmnopqrst\x00" + b"mysql_native_password\x00"
+    )  # fmt: skip
+    return len(payload).to_bytes(3, "little") + b"\x00" + payload
+
+
+@pytest.mark.parametrize("says", [b"", _greeting_offering_tls()], ids=["nothing", "tls-offer"])
 def test_a_mariadb_connection_whose_server_goes_quiet_in_the_handshake_gives_up(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, says: bytes
 ) -> None:
-    # A server (or a network) that accepts the TCP connection and then says nothing: PyMySQL's
-    # connect_timeout covered the TCP connect alone, and the handshake's read waited for ever.
+    # A server (or a network) that accepts the TCP connection and then says nothing, or offers
+    # TLS and then says nothing: PyMySQL's connect_timeout covered the TCP connect alone, and
+    # the handshake (its TLS part too) waited for ever.
     monkeypatch.setattr(engine_module, "CONNECT_TIMEOUT_S", 1)
     quiet = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
@@ -290,7 +304,9 @@ def test_a_mariadb_connection_whose_server_goes_quiet_in_the_handshake_gives_up(
     def take() -> None:
         with contextlib.suppress(OSError):  # closed at the end
             while True:
-                accepted.append(quiet.accept()[0])
+                conn = quiet.accept()[0]
+                accepted.append(conn)
+                conn.sendall(says)
 
     taking = threading.Thread(target=take, daemon=True)
     taking.start()
@@ -328,14 +344,14 @@ def test_a_mariadb_connection_whose_server_goes_quiet_in_the_handshake_gives_up(
 def test_a_statement_on_mariadb_is_not_bound_by_the_handshakes_read_timeout(
     mysql_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_module, "CONNECT_TIMEOUT_S", 1)
+    monkeypatch.setattr(engine_module, "CONNECT_TIMEOUT_S", 2)  # a loaded machine's handshake
     store = Store(make_engine(mysql_url))
     with store.engine.connect() as conn:
-        assert conn.exec_driver_sql("SELECT SLEEP(1.5)").scalar() == 0
+        assert conn.exec_driver_sql("SELECT SLEEP(2.5)").scalar() == 0
     auto = store._autocommit
     assert auto is not None
     with auto.connect() as conn:
-        assert conn.exec_driver_sql("SELECT SLEEP(1.5)").scalar() == 0
+        assert conn.exec_driver_sql("SELECT SLEEP(2.5)").scalar() == 0
     store.engine.dispose()
 
 

@@ -989,6 +989,31 @@ def _row(name: str, p: dict[str, Any]) -> str:
     return f"| {name} | " + " | ".join("-" if c is None else f"{c:,}" for c in cells) + " |"
 
 
+def _growth_rule(verdict: dict[str, Any]) -> str:
+    """What *start*, *middle* and *end* are in `verdict`'s growth table (the rule changed)."""
+    floors = any(
+        str(m.get("basis", "")).startswith("floor")
+        for g in verdict["growth"]["listeners"]
+        for m in g["metrics"].values()
+    )
+    medians = (
+        "*start*, *middle*, *end*: the medians of the first three samples, of all, and of the "
+        "last three"
+    )
+    if not floors:
+        return f"{medians}."
+    return (
+        f"RSS: {medians}; the counts (descriptors, threads, connections): the least sample of "
+        "the first minute, the middle minute and the last, outside fault windows."
+    )
+
+
+def _middle(check: dict[str, Any]) -> float | None:
+    """A growth check's middle value (named `median` in reports before the floor rule)."""
+    value = check.get("middle", check.get("median"))
+    return None if value is None else float(value)
+
+
 def markdown(report: dict[str, Any], images: str) -> str:
     """A soak report as the Markdown section docs/RELIABILITY.md shows (`images`: where its
     PNGs are, relative to the document)."""
@@ -1049,11 +1074,10 @@ def markdown(report: dict[str, Any], images: str) -> str:
     lines += [
         "",
         f"Growth after the {cfg['warm_up_s']:g} s warm-up (each listener process from its own "
-        "start plus the warm-up; *start*, *end*: medians of the first and last three samples, "
-        "every 10 s; the end may exceed neither the median nor the start by more than 10 %, "
-        "and for counts also by more than one):",
+        f"start plus the warm-up; samples every 10 s). {_growth_rule(v)} The end may exceed "
+        "neither the middle nor the start by more than 10 %, and a count also by more than one:",
         "",
-        "| slot / pid | samples | RSS MB start → median → end | fds | threads | ledger conns "
+        "| slot / pid | samples | RSS MB start → middle → end | fds | threads | ledger conns "
         "| redis conns |",
         "|---|---:|---|---|---|---|---|",
     ]
@@ -1061,9 +1085,10 @@ def markdown(report: dict[str, Any], images: str) -> str:
         cells = []
         for name in ("rss_mb", "fds", "threads", "ledger_conns", "redis_conns"):
             mm = g["metrics"][name]
+            middle = _middle(mm)
             cells.append(
-                f"{mm['start']:g} → {mm['median']:g} → {mm['end']:g}"
-                if "median" in mm
+                f"{mm['start']:g} → {middle:g} → {mm['end']:g}"
+                if middle is not None
                 else str(mm["status"])
             )
         lines.append(f"| {g['slot']} / {g['pid']} | {g['samples']} | " + " | ".join(cells) + " |")
@@ -1073,12 +1098,13 @@ def markdown(report: dict[str, Any], images: str) -> str:
         ("pending rows", "ledger_pending_rows"),
     ):
         mm = srv[key]
+        middle = _middle(mm)
         shown = (
-            f"{mm['start']:,.0f} → {mm['median']:,.0f} → {mm['end']:,.0f}"
-            if "median" in mm
+            f"{mm['start']:,.0f} → {middle:,.0f} → {mm['end']:,.0f}"
+            if middle is not None
             else mm["status"]
         )
-        lines.append(f"\n{label}, start → median → end: {shown} ({mm['status']}).")
+        lines.append(f"\n{label}, start → middle (median) → end: {shown} ({mm['status']}).")
     tp = v["throughput"]["ok_ends_per_s"]
     lines += [
         "",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,8 @@ INTEGER_METRICS = frozenset({"fds", "threads", "ledger_conns", "redis_conns"})
 MIN_GROWTH_SAMPLES = 6
 END_SAMPLES = 3
 END_WINDOW_S = 60.0
-"""A listener's counts are judged by their floor over the first and the last minute (at least
-`END_SAMPLES` samples): the issue's "back to their level within a minute after each fault"."""
+"""A listener's counts are judged by their floor over a minute (`floor_check`): the issue's
+"back to their level within a minute after each fault"."""
 FINISHED_STATUSES = ("done", "dead", "cancelled")
 LEDGER_BOUND_SLACK = 1.25
 
@@ -470,72 +471,106 @@ def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]
 # --- growth --------------------------------------------------------------------------------
 
 
-def growth_check(
-    values: list[float], integer: bool, limit: float, window: int = END_SAMPLES, floor: bool = False
-) -> dict[str, Any]:
-    """Did `values` grow past `limit`? Two ways: the end (median of the last `window`) against
-    the median of all, which catches a steady climb, and the end against the start (median of
-    the first `window`), which catches a step that came early and stayed: connections stepping
-    5 -> 9 at a failover a quarter of the way in leave the median at 9, and a fleet run for
-    months of such faults adds them up.
+def growth_check(values: list[float], integer: bool, limit: float) -> dict[str, Any]:
+    """Did `values` grow past `limit`? Two ways: the end (median of the last 3) against the
+    median of all, which catches a steady climb, and the end against the start (median of the
+    first 3), which catches a step that came early and stayed: connections stepping 5 -> 9 at a
+    failover a quarter of the way in leave the median at 9, and a fleet run for months of such
+    faults adds them up.
 
     growth = end / median - 1, step = end / start - 1. A count (descriptors, threads,
     connections) must also have risen by more than 1: a count of 6 cannot move by 10 %, its next
     step (7) is already +17 %, so a relative limit alone would fail on a single descriptor
     opened at the wrong moment. From 0, the ratio is None and any rise (more than 1 for a
     count) fails.
-
-    With `floor`, start and end are the least of their `window` instead of the median: a pool's
-    connections wobble with the load of the moment (a Cluster listener's six per-node pools
-    between 12 and 17 all run long, sampled every 10 s), so three samples at either end can land
-    on a crest or a trough; a connection that leaked, or a pool a recovery left open, is there in
-    every sample and raises the floor.
     """
-    window = max(1, min(window, len(values)))
-    median = statistics.median(values)
-    pick = min if floor else statistics.median
-    start = pick(values[:window])
-    end = pick(values[-window:])
+    return _judged(
+        "median",
+        statistics.median(values[:END_SAMPLES]),
+        statistics.median(values),
+        statistics.median(values[-END_SAMPLES:]),
+        max(values),
+        integer,
+        limit,
+    )
 
+
+def floor_check(
+    rows: list[tuple[int, float]], integer: bool, limit: float, quiet: Callable[[int], bool]
+) -> dict[str, Any]:
+    """`growth_check` for a listener's counts, on their floor: the least sample of the first
+    minute, of the minute in the middle and of the last minute (`END_WINDOW_S`, at least
+    `END_SAMPLES` samples each), counting only samples outside fault windows (`quiet(t_ms)`)
+    where enough are.
+
+    A pool's connections wobble with the load of the moment (a Cluster listener's six per-node
+    pools between 12 and 17 all run long, sampled every 10 s), so three samples at either end
+    can land on a crest; a connection that leaked, or one a recovery left open for more than a
+    minute, is there in every sample and raises the floor. A fault drops counts for a moment
+    (a restart closes every connection): such a dip inside a window is not the floor either.
+    """
+    calm = [r for r in rows if quiet(r[0])]
+    if len(calm) >= MIN_GROWTH_SAMPLES:
+        rows = calm
+    span_ms = int(END_WINDOW_S * 1000)
+
+    def floor_of(lo_ms: int, hi_ms: int, nearest: int) -> float:
+        picked = [v for t, v in rows if lo_ms <= t <= hi_ms]
+        if len(picked) < END_SAMPLES:  # sparse samples: the nearest few instead
+            by_distance = sorted(rows, key=lambda r: abs(r[0] - nearest))
+            picked = [v for _, v in by_distance[:END_SAMPLES]]
+        return min(picked)
+
+    first_ms, last_ms = rows[0][0], rows[-1][0]
+    mid_ms = (first_ms + last_ms) // 2
+    check = _judged(
+        f"floor over {END_WINDOW_S:g} s outside fault windows",
+        floor_of(first_ms, first_ms + span_ms, first_ms),
+        floor_of(mid_ms - span_ms // 2, mid_ms + span_ms // 2, mid_ms),
+        floor_of(last_ms - span_ms, last_ms, last_ms),
+        max(v for _, v in rows),
+        integer,
+        limit,
+    )
+    return {**check, "judged_samples": len(rows)}
+
+
+def _judged(
+    basis: str, start: float, middle: float, end: float, top: float, integer: bool, limit: float
+) -> dict[str, Any]:
     def rose(base: float) -> tuple[bool, float | None]:
         rise = end - base
         ratio = end / base - 1 if base > 0 else None
         up = rise > 0 if ratio is None else ratio > limit
         return (up and rise > 1 if integer else up), ratio
 
-    # The floor sits below the median of a wobbling series, so the climb check compares it with
-    # the floor of the middle: a steady climb still lifts every floor.
-    middle = median if not floor else _middle_floor(values, window)
     grew, growth = rose(middle)
     stepped, step = rose(start)
     return {
-        "basis": f"floor of {window} samples" if floor else "median",
+        "basis": basis,
         "start": round(start, 3),
-        "median": round(middle, 3),
+        "middle": round(middle, 3),
         "end": round(end, 3),
-        "max": round(max(values), 3),
+        "max": round(top, 3),
         "growth": None if growth is None else round(growth, 4),
         "step": None if step is None else round(step, 4),
         "passed": not grew and not stepped,
     }
 
 
-def _middle_floor(values: list[float], window: int) -> float:
-    mid = max(0, len(values) // 2 - window // 2)
-    return min(values[mid : mid + window])
-
-
 def _series_check(
-    rows: list[tuple[int, float]], integer: bool, limit: float, floor: bool = False
+    rows: list[tuple[int, float]],
+    integer: bool,
+    limit: float,
+    quiet: Callable[[int], bool] | None = None,
 ) -> dict[str, Any]:
+    """`growth_check` of `rows` ((t_ms, value)), or `floor_check` given `quiet`."""
     if len(rows) < MIN_GROWTH_SAMPLES:
         return {"status": "too_short", "samples": len(rows), "passed": True}
-    window = END_SAMPLES
-    if floor:
-        last_ms = rows[-1][0]
-        in_last = sum(1 for t, _ in rows if t > last_ms - END_WINDOW_S * 1000)
-        window = max(END_SAMPLES, min(in_last, len(rows) // 3))
-    check = growth_check([v for _, v in rows], integer, limit, window, floor)
+    if quiet is not None:
+        check = floor_check(rows, integer, limit, quiet)
+    else:
+        check = growth_check([v for _, v in rows], integer, limit)
     return {"status": "ok" if check["passed"] else "grew", "samples": len(rows), **check}
 
 
@@ -546,6 +581,11 @@ def _listener_growth(history: History, params: dict[str, Any]) -> list[dict[str,
     for sample in history.samples:
         for entry in sample.get("listeners") or ():
             by_pid[int(entry["pid"])].append((int(sample["t_ms"]), entry))
+    windows = FaultWindows(history.faults, float(params.get("settle_s", 0.0)))
+
+    def quiet(t_ms: int) -> bool:
+        return not windows.kinds_at(t_ms)
+
     out = []
     for pid, rows in sorted(by_pid.items(), key=lambda kv: kv[1][0][0]):
         first = rows[0][1]
@@ -558,7 +598,7 @@ def _listener_growth(history: History, params: dict[str, Any]) -> list[dict[str,
                 [(t, float(e[name])) for t, e in kept if e.get(name) is not None],
                 name in INTEGER_METRICS,
                 limit,
-                floor=name in INTEGER_METRICS,
+                quiet if name in INTEGER_METRICS else None,
             )
             for name in GROWTH_METRICS
         }
@@ -724,17 +764,11 @@ def _ids(section: dict[str, Any]) -> str:
 
 
 def _grew(m: dict[str, Any]) -> str:
-    """How a series failed `growth_check`: start, median and end, and both ratios."""
-    basis = m.get("basis", "median")
-    if basis != "median":
-        return (
-            f"grew {m['start']:g} (start) -> {m['median']:g} (middle) -> {m['end']:g} (end), "
-            f"each the {basis}: growth {m['growth']} against the middle, {m['step']} against "
-            "the start"
-        )
+    """How a series failed its check: start, middle and end, what they are, and both ratios."""
     return (
-        f"grew {m['start']:g} (start) -> {m['median']:g} (median) -> {m['end']:g} (end): "
-        f"growth {m['growth']} against the median, {m['step']} against the start"
+        f"grew {m['start']:g} (start) -> {m['middle']:g} (middle) -> {m['end']:g} (end), "
+        f"each a {m['basis']}: growth {m['growth']} against the middle, {m['step']} against "
+        "the start"
     )
 
 

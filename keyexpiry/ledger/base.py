@@ -375,6 +375,7 @@ class Ledger:
         except dialect.loaded_dbapi.Error as exc:
             gone = dialect.is_disconnect(exc, raw.dbapi_connection, cursor) or not_serving(exc)
             if gone:
+                _drop_held_cursor(raw, cursor)  # before the record goes back to the pool
                 raw.invalidate(exc)
             # No statement text: the error's message (all StoreError shows) is the driver's.
             wrapped = DBAPIError.instance(
@@ -386,10 +387,18 @@ class Ledger:
                 dialect=dialect,
             )
             raise self._store_error(wrapped, sent=True) from wrapped
+        except Exception:
+            raise
+        except BaseException:
+            # Interrupted (a signal's exception, a greenlet killed): the statement may still be
+            # running on the connection, which no one may be lent.
+            _drop_held_cursor(raw, cursor)
+            raw.invalidate()
+            raise
         finally:
             if cursor is not None and not finished:
-                # A statement that failed or was interrupted may leave the cursor mid-result.
-                raw.info.pop(_HELD_CURSOR, None)
+                # A statement that failed may leave the cursor mid-result.
+                _drop_held_cursor(raw, cursor)
                 cursor.close()
             raw.close()
 
@@ -410,7 +419,9 @@ def _held_cursor(raw: Any) -> Any:
     A new psycopg cursor, and its close, cost a single create about 25 µs of CPU, a tenth of its
     client's share (its adapters' transformer is built per cursor); PyMySQL's cost less, but the
     same. Kept with the DBAPI connection it belongs to, so a connection the pool replaced (its
-    `info` cleared) or swapped never lends another's.
+    `info` cleared) or swapped never lends another's. It keeps its last statement (and, on
+    PyMySQL, that statement's text with a payload in it) until the connection's next use:
+    at most a payload per pooled connection.
     """
     found = raw.info.get(_HELD_CURSOR)
     if found is not None and found[0] is raw.dbapi_connection:
@@ -418,6 +429,13 @@ def _held_cursor(raw: Any) -> Any:
     cursor = raw.cursor()
     raw.info[_HELD_CURSOR] = (raw.dbapi_connection, cursor)
     return cursor
+
+
+def _drop_held_cursor(raw: Any, cursor: Any) -> None:
+    """Forget `raw`'s held cursor if it is `cursor` (not one another checkout has put since)."""
+    found = raw.info.get(_HELD_CURSOR)
+    if found is not None and found[1] is cursor:
+        del raw.info[_HELD_CURSOR]
 
 
 def _detail(exc: SQLAlchemyError) -> str:

@@ -112,11 +112,11 @@ def make_engine(url: str) -> Engine:
             isolation_level="READ COMMITTED",
         )
 
-        _bounded_handshake(engine, connect_args)
         event.listen(engine, "connect", _session_setup(engine.dialect.name))
         event.listen(engine, "handle_error", _not_serving_is_a_disconnect)
         if _shares_tls(engine):
             event.listen(engine, "do_connect", _share_tls_context)
+        _bounded_handshake(engine, connect_args)
         return engine
     except ImportError as exc:
         extra = " (pip install 'keyexpiry[postgres]')" if "psycopg" in str(exc) else ""
@@ -130,18 +130,21 @@ def make_engine(url: str) -> Engine:
 def _network_timeouts(url: str | URL) -> dict[str, Any]:
     """The driver's connect arguments for `UNACKED_S`, `CONNECT_TIMEOUT_S` and `KEEPALIVE_S`,
     each only where neither the URL nor libpq's environment sets its own: psycopg's (libpq's
-    keywords; `tcp_user_timeout` from libpq 12) and PyMySQL's `connect_timeout`. PyMySQL has no
-    keyword for the others: its socket gets them at connect (`_unacked_limit`). Another driver
-    gets nothing (it may not know the keywords)."""
+    keywords; `tcp_user_timeout` from libpq 12) and PyMySQL's `connect_timeout`, with its
+    `read_timeout` and `write_timeout` for the handshake only (`_bounded_handshake`). PyMySQL has
+    no keyword for the others: its socket gets them at connect (`_unacked_limit`). Another
+    driver gets nothing (it may not know the keywords)."""
     parsed = make_url(url)
     driver = parsed.get_driver_name()
     wanted: dict[str, Any] = {}
     if driver == "pymysql":
         wanted["connect_timeout"] = CONNECT_TIMEOUT_S
         # PyMySQL's connect_timeout ends at the TCP connect: a server (or a network) that goes
-        # quiet during the handshake after it would hold the connect for ever. Reads time out
-        # until the handshake is over; `_handshake_over` then lifts it for statements.
+        # quiet after it, in the handshake (TLS's included: PyMySQL waits on it with the write
+        # timeout) or the session's setup, would hold the connect for ever. Reads and writes
+        # time out until the connection is set up; `_bounded_handshake` then lifts it.
         wanted["read_timeout"] = CONNECT_TIMEOUT_S
+        wanted["write_timeout"] = CONNECT_TIMEOUT_S
     elif driver == "psycopg" and "service" not in parsed.query:
         from psycopg import pq
 
@@ -156,15 +159,19 @@ def _network_timeouts(url: str | URL) -> dict[str, Any]:
 
 
 def _bounded_handshake(engine: Engine, connect_args: dict[str, Any]) -> None:
-    """Lift the handshake's read timeout once a connection is made, where `_network_timeouts`
-    set it (a URL's own `read_timeout` stays)."""
-    if "read_timeout" in connect_args:
-        event.listen(engine, "connect", _handshake_over, insert=True)
+    """Lift the read and write timeouts `_network_timeouts` set for the handshake (a URL's own
+    stay) once a connection is set up. Registered after every other `connect` listener, so
+    the session's setup statements are bounded too."""
+    lifted = [name for name in ("read_timeout", "write_timeout") if name in connect_args]
+    if not lifted:
+        return
 
+    def set_up(dbapi_conn: Any, _record: Any) -> None:
+        # PyMySQL sets its socket's timeout from these before each read and write.
+        for name in lifted:
+            setattr(dbapi_conn, f"_{name}", None)
 
-def _handshake_over(dbapi_conn: Any, _record: Any) -> None:
-    # PyMySQL sets its socket's timeout from this before each read.
-    dbapi_conn._read_timeout = None
+    event.listen(engine, "connect", set_up)
 
 
 def _unacked_limit(dbapi_conn: Any) -> None:
@@ -313,7 +320,6 @@ def autocommit_engine(engine: Engine) -> Engine | None:
         )
     except TypeError:
         return None
-    _bounded_handshake(auto, connect_args)
     if engine.dialect.name == "postgresql":
         # READ COMMITTED is PostgreSQL's default, and each statement here is a transaction.
         event.listen(auto, "connect", _short_lock_waits_pg)
@@ -323,6 +329,7 @@ def autocommit_engine(engine: Engine) -> Engine | None:
             event.listen(auto, "do_connect", _share_tls_context)
         event.listen(auto, "connect", _short_lock_waits)
         event.listen(auto, "connect", _read_committed)
+    _bounded_handshake(auto, connect_args)
     event.listen(auto, "handle_error", _not_serving_is_a_disconnect)
     # Whoever closes the ledger disposes of its engine; this pool goes with it.
     event.listen(engine, "engine_disposed", lambda _engine: auto.dispose())
