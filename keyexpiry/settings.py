@@ -60,8 +60,10 @@ class Settings:
     canary_interval_s: float = 30.0
     lease_check_s: float = 10.0
     stuck_after_s: float = 5.0
-    heartbeat_s: float = 1.0
-    """How often a listener writes its heartbeat to the ledger."""
+    heartbeat_s: float = 0.5
+    """How often a listener writes its heartbeat to the ledger (and reads who is live): a dead or
+    cut-off peer's share of the keys moves within four beats (`share_silence_s`, at least 2 s).
+    Each beat is two or three small statements: a fleet of hundreds may prefer 1 s."""
     takeover_after_s: float = 5.0
     """A listener silent this long is dead: a live one requeues its running tasks."""
     retain_done_s: float = 7 * 86400.0

@@ -172,8 +172,9 @@ def test_two_listeners_split_the_keys_and_each_task_runs_once(
 
 def test_a_silent_peer_leaves_the_share_after_three_beats_before_its_runs_are_taken() -> None:
     defaults = Settings()
-    assert (defaults.heartbeat_s, defaults.takeover_after_s) == (1.0, 5.0)
-    assert share_silence_s(defaults) == 3.0
+    assert (defaults.heartbeat_s, defaults.takeover_after_s) == (0.5, 5.0)
+    assert share_silence_s(defaults) == 2.0  # the floor: three beats would be 1.5 s
+    assert share_silence_s(defaults.replace(heartbeat_s=1.0)) == 3.0
     # Never later than the takeover, never sooner than 2 s (a loaded machine's late beat).
     assert share_silence_s(defaults.replace(heartbeat_s=2.0, takeover_after_s=5.0)) == 5.0
     assert share_silence_s(defaults.replace(heartbeat_s=0.2, takeover_after_s=5.0)) == 2.0

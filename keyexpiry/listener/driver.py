@@ -54,7 +54,15 @@ TICK_MS = 4
 """The default shortest time between two lookup passes (`Settings.driver_tick_ms`): the most a
 busy stream of keys waits past its due time for the driver, traded for keys looked up, announced
 and claimed together."""
-_LEASE_MS = 5000
+LEASE_MS = 2000
+"""How long the driver's lock outlives its last renewal: a driver that dies (kill -9, a frozen
+process, a lookup held by a paused node) is replaced within this and `STANDBY_RETRY_S`. It was
+5 s: the Cluster soak's kill -9 of the driver left every listener's tasks due in the next 4 s
+up to 4 s late (announced by Redis's own sweep, or by the next driver)."""
+_RENEW_EVERY_MS = LEASE_MS // 5
+"""The driver renews its lock at least this often (its longest sleep)."""
+STANDBY_RETRY_S = 0.5
+"""How often a listener that does not drive tries to take the lock."""
 OVERFLOW_REREAD_S = 1.0
 """After wake entries were dropped (more than `driver_max_rows` waiting), the window is read
 from the ledger again, at most this often: the real ones among them are late by this much at
@@ -224,7 +232,7 @@ class ExpiryDriver:
         """One pass: keep the lock, read the window, look due keys up; return seconds to sleep."""
         now_ms = self.clock.now_ms()
         if not self._hold_lock(now_ms):
-            return 1.0
+            return STANDBY_RETRY_S
         window_ms = int(self.settings.driver_window_s * 1000)
         overflow_in_s = self._after_overflow()
         if self._reread:
@@ -264,8 +272,8 @@ class ExpiryDriver:
         wake_at = next_read if next_due is None else min(max(next_due + 1, next_pass), next_read)
         if next_recheck is not None:
             wake_at = min(wake_at, next_recheck)
-        # Re-check the lock at least once a second; never sleep past the next due time (or tick).
-        return max(0.0, min((wake_at - now_ms) / 1000.0, 1.0))
+        # Renew the lock in time; never sleep past the next due time (or tick).
+        return max(0.0, min((wake_at - now_ms) / 1000.0, _RENEW_EVERY_MS / 1000.0))
 
     def _next_due(self) -> int | None:
         """The earliest due time waiting, of either source, rechecks aside (under `_lock`)."""
@@ -307,9 +315,9 @@ class ExpiryDriver:
         return None
 
     def _hold_lock(self, now_ms: int) -> bool:
-        if self.is_leader and now_ms - self._lease_checked_ms < _LEASE_MS // 5:
+        if self.is_leader and now_ms - self._lease_checked_ms < _RENEW_EVERY_MS:
             return True
-        held = bool(self._renew(keys=[self._lock_key], args=[self.owner, _LEASE_MS]))
+        held = bool(self._renew(keys=[self._lock_key], args=[self.owner, LEASE_MS]))
         self._lease_checked_ms = now_ms
         if held and not self.is_leader:
             logger.info("expiry driver: this listener drives expiries")

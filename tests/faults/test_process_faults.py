@@ -20,6 +20,7 @@ import pytest
 from keyexpiry import Client, Settings, TaskRequest
 from keyexpiry.bench.servers import MariaDBServer, lock_waits, wait_until
 from keyexpiry.errors import StoreError
+from keyexpiry.keys import driver_lock_key
 from keyexpiry.ledger.store import NewTask, Store, TaskStatus, make_engine
 from tests import sample_tasks
 from tests.conftest import MariaDBFactory, RedisFactory
@@ -379,6 +380,34 @@ def test_a_create_chosen_as_a_deadlock_victim_is_run_again(
 
 
 @pytest.mark.xdist_group("heavy")
+def test_a_killed_driver_is_replaced_within_its_lease(
+    redis_url: str, sqlite_url: str, tmp_path: Path, spawn: Spawned
+) -> None:
+    """kill -9 of the listener that drives expiries: a peer holds the lock within the lease
+    (2 s) and its retry (0.5 s). On a 5 s lease every listener's tasks due in the next 4 s
+    waited for Redis's own sweep (the Cluster soak's kill -9 of the driver). The lock is
+    Redis's: one ledger is enough."""
+    settings = make_settings(redis_url, sqlite_url, tmp_path)
+    (first, _), (second, _) = spawn.listen_many(settings, 2)
+    client = Client(settings)
+    lock = driver_lock_key(settings.key_prefix)
+    wait_until(lambda: client.redis.get(lock) is not None, 10)
+    owner = client.redis.get(lock)
+    driver_pid = int(owner.decode().split(":")[-2])  # host:pid:nonce
+    assert driver_pid in (first.pid, second.pid), owner
+    victim, survivor = (first, second) if driver_pid == first.pid else (second, first)
+    # Killed just after a renewal: the whole lease is left to run out.
+    wait_until(lambda: int(client.redis.pttl(lock)) > 1850, 5, interval_s=0.005)
+    killed_s = time.monotonic()
+    signal_group(victim, signal.SIGKILL)
+    wait_until(lambda: client.redis.get(lock) not in (None, owner), 15, interval_s=0.01)
+    took_s = time.monotonic() - killed_s
+    assert f":{survivor.pid}:" in client.redis.get(lock).decode()
+    # The lease and a retry, 0.5 s to spare for a loaded machine.
+    assert took_s <= 3.0, took_s
+    client.close()
+
+
 def test_three_listeners_share_a_load_without_double_runs(
     client: Client, settings: Settings, start_listener: StartListener, verdict: Verdict
 ) -> None:
