@@ -62,8 +62,9 @@ class Settings:
     stuck_after_s: float = 5.0
     heartbeat_s: float = 0.5
     """How often a listener writes its heartbeat to the ledger (and reads who is live): a dead or
-    cut-off peer's share of the keys moves within four beats (`share_silence_s`, at least 2 s).
-    Each beat is two or three small statements: a fleet of hundreds may prefer 1 s."""
+    cut-off peer's share of the keys moves after its silence (`share_silence_s`: three beats, at
+    least 2 s) and one more beat. Each beat is two or three small statements: a fleet of
+    hundreds may prefer 1 s."""
     takeover_after_s: float = 5.0
     """A listener silent this long is dead: a live one requeues its running tasks."""
     retain_done_s: float = 7 * 86400.0

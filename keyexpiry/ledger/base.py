@@ -387,13 +387,12 @@ class Ledger:
                 dialect=dialect,
             )
             raise self._store_error(wrapped, sent=True) from wrapped
-        except Exception:
-            raise
-        except BaseException:
-            # Interrupted (a signal's exception, a greenlet killed): the statement may still be
-            # running on the connection, which no one may be lent.
-            _drop_held_cursor(raw, cursor)
-            raw.invalidate()
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                # Interrupted (a signal's exception, a greenlet killed): the statement may still
+                # be running on the connection, which no one may be lent.
+                _drop_held_cursor(raw, cursor)
+                raw.invalidate()
             raise
         finally:
             if cursor is not None and not finished:
