@@ -53,9 +53,13 @@ class RedisClock:
         self._client = client
         self._resync_s = resync_s
         self._lock = threading.Lock()
-        self._base_ms = 0.0
-        self._base_mono_s = -1e18
+        # (Redis ms, local monotonic s) of one reading, swapped whole: two attributes set one
+        # after the other could be read torn by a thread asking the time in between.
+        self._base: tuple[float, float] | None = None
         self._retry_mono_s = -1e18
+        self._syncing = False
+        self.syncs_failed = 0
+        """Background resyncs that failed (Redis away, paused or stalled)."""
 
     def sync(self) -> None:
         """Read Redis `TIME`, placing it at the midpoint of the round trip.
@@ -77,32 +81,54 @@ class RedisClock:
             if best[0] <= SYNC_GOOD_RTT_S:
                 break
         assert best is not None
-        with self._lock:
-            self._base_ms, self._base_mono_s = best[1], best[2]
+        self._base = (best[1], best[2])
 
     def now_ms(self) -> int:
         """Epoch milliseconds on Redis's clock.
 
-        Once synced, a resync that fails (Redis away) keeps extrapolating and tries again a
-        second later: a worker asking the time must not fail because Redis is restarting.
+        Only the first call waits for Redis (there is no time to extrapolate from before it;
+        it raises when Redis does not answer). Later resyncs run on a thread of their own while
+        every caller goes on extrapolating: on a Cluster the clock is one node's, and a resync
+        that met that node paused held each thread that asked the time for the socket
+        timeout (the Cluster soak: a listener's claims and its unheard primary's ledger runs
+        stopped for a whole 10 s pause of that node). A resync that fails is tried again a
+        second later.
         """
+        base = self._base
+        if base is None:
+            self.sync()
+            base = self._base
+            assert base is not None
         mono = time.monotonic()
-        if mono - self._base_mono_s > self._resync_s and mono >= self._retry_mono_s:
-            try:
-                self.sync()
-            except (redis.RedisError, OSError):
-                if self._base_mono_s < 0:
-                    raise  # never synced: there is no time to extrapolate from
-                self._retry_mono_s = mono + _RESYNC_RETRY_S
-            mono = time.monotonic()
-        return int(self._base_ms + (mono - self._base_mono_s) * 1000.0)
+        if mono - base[1] > self._resync_s and mono >= self._retry_mono_s:
+            self._resync_in_background()
+        return int(base[0] + (mono - base[1]) * 1000.0)
+
+    def _resync_in_background(self) -> None:
+        with self._lock:
+            if self._syncing:
+                return
+            self._syncing = True
+        threading.Thread(target=self._resync, name="keyexpiry-clock-sync", daemon=True).start()
+
+    def _resync(self) -> None:
+        try:
+            self.sync()
+        except Exception:
+            # Redis away, or its client closed under this thread (the runtime closing):
+            # the time stays extrapolated, as it was.
+            self.syncs_failed += 1
+            self._retry_mono_s = time.monotonic() + _RESYNC_RETRY_S
+        finally:
+            with self._lock:
+                self._syncing = False
 
     def extrapolated_ms(self) -> int:
-        """`now_ms` without the periodic resync: never waits on Redis once synced (for the
-        heartbeat, which must not stall behind an unreachable Redis)."""
-        if self._base_mono_s < 0:
+        """`now_ms` without starting a resync (for the heartbeat)."""
+        base = self._base
+        if base is None:
             return self.now_ms()
-        return int(self._base_ms + (time.monotonic() - self._base_mono_s) * 1000.0)
+        return int(base[0] + (time.monotonic() - base[1]) * 1000.0)
 
     def offset_ms(self) -> float:
         """How far Redis's clock is ahead of this host's wall clock (negative: behind)."""

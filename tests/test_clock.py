@@ -1,11 +1,18 @@
-"""The shared clock: Redis's `TIME`, extrapolated locally (pure logic: a stand-in client)."""
+"""The shared clock: Redis's `TIME`, extrapolated locally (a stand-in client for the readings,
+a real paused redis-server for a resync that cannot finish)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from keyexpiry.clock import SYNC_TRIES, RedisClock
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from keyexpiry.bench.servers import wait_until
+from keyexpiry.clock import SYNC_TRIES, RedisClock, monotonic_s
+from tests.conftest import RedisFactory
 
 
 class _StallingTime:
@@ -42,3 +49,41 @@ def test_a_sync_gives_up_after_its_tries_and_keeps_the_quickest_reading() -> Non
     clock = RedisClock(fake)
     clock.sync()
     assert fake.calls == SYNC_TRIES
+
+
+def test_a_resync_meeting_a_paused_redis_holds_no_caller(redis_factory: RedisFactory) -> None:
+    server = redis_factory()
+    # No retries: the resync gives up after one socket timeout.
+    client = redis.Redis.from_url(server.url(), socket_timeout=1, retry=Retry(NoBackoff(), 0))
+    clock = RedisClock(client, resync_s=0.0)  # every call is due for a resync
+    try:
+        clock.now_ms()  # the first reading waits for Redis: nothing to extrapolate from yet
+        server.pause()
+        # A resync meets the paused server and waits out the socket timeout: on a thread of its
+        # own, while every caller extrapolates.
+        began_s = monotonic_s()
+        readings = [clock.now_ms() for _ in range(3)]
+        blocked_s = monotonic_s() - began_s
+        assert readings == sorted(readings)
+        assert blocked_s < 0.5, f"asking the time waited {blocked_s:.1f} s for a paused Redis"
+        # (asking on: a resync begun before the pause took effect may have finished)
+        wait_until(
+            lambda: clock.now_ms() > 0 and clock.syncs_failed >= 1,
+            5,
+            message="the resync never gave up",
+        )
+        server.resume()
+        failed = clock.syncs_failed
+
+        def fresh() -> bool:
+            clock.now_ms()
+            base = clock._base
+            return base is not None and monotonic_s() - base[1] < 0.5
+
+        # Redis back: the next resync succeeds, and the time read is Redis's again.
+        wait_until(fresh, 10, message="no resync after Redis came back")
+        assert clock.syncs_failed == failed
+        assert abs(_offset_ms(clock)) < 50
+    finally:
+        server.resume()
+        client.close()
