@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.crc import key_slot
@@ -19,9 +20,10 @@ from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.listener.cluster_subscription import ClusterSubscription
 from keyexpiry.ops.doctor import run_checks
 from keyexpiry.redis.cluster import Topology, is_cluster_url, parse_cluster_url
+from keyexpiry.redis.pools import IdleTrimmer, pools_of
 from keyexpiry.runtime import Runtime
 from tests import sample_tasks
-from tests.ke import Running, make_settings, wait_status
+from tests.ke import Running, live_connections, make_settings, wait_status
 
 StartListener = Callable[[Settings], Running]
 
@@ -304,3 +306,57 @@ def test_a_node_problem_found_in_a_passing_topology_is_cleared_when_the_nodes_ch
     assert health.problem is not None and "replica" in health.problem
     sub._check_nodes(topology, first=False)
     assert health.problem is None
+
+
+def test_idle_connections_to_replicas_and_from_the_check_clients_are_closed(
+    cluster_url: str, sqlite_url: str, tmp_path: Path
+) -> None:
+    rt = Runtime.open(make_settings(cluster_url, sqlite_url, tmp_path))
+    try:
+        cluster = rt.cluster
+        assert cluster is not None
+        topology = cluster.topology()
+        replicas = [a for a in topology.nodes if a not in topology.slots]
+        assert len(topology.primaries) == 3 and replicas
+        # What a resubscription and a failover leave: a check client on every node, two
+        # connections where two threads asked at once, and a commands connection to every
+        # node (a replica's is one a demoted primary kept).
+        for address in topology.nodes:
+            pool = cluster.admin(address).connection_pool
+            both: list[Any] = [pool.get_connection(), pool.get_connection()]
+            for conn in both:
+                conn.send_command("PING")
+                conn.read_response()
+                pool.release(conn)
+        # The commands client knows a replica once it has replicated a byte (CLUSTER SLOTS).
+        for tag in rt.node_tags():
+            rt.redis.set(f"trim-probe{tag}", "1")
+        manager = rt.redis.nodes_manager  # type: ignore[attr-defined]
+
+        def knows_replicas() -> bool:
+            manager.initialize()
+            return {f"{n.host}:{n.port}" for n in manager.nodes_cache.values()} >= set(replicas)
+
+        wait_until(knows_replicas, timeout_s=10)
+        commands = {f"{n.host}:{n.port}": n for n in rt.redis.get_nodes()}  # type: ignore[attr-defined]
+        for node in commands.values():
+            pool = node.redis_connection.connection_pool
+            conn = pool.get_connection()
+            conn.send_command("PING")
+            conn.read_response()
+            pool.release(conn)
+        trimmer = IdleTrimmer(lambda: pools_of(rt.redis) + cluster.admin_pools(), every_s=60)
+        assert trimmer.tick(0.0) == 0
+        assert trimmer.tick(61.0) == 2 * len(topology.nodes) - 3 + len(replicas)
+        for address in topology.nodes:
+            kept = int(address in topology.slots)
+            assert live_connections(cluster.admin(address).connection_pool) == kept, address
+            pool = commands[address].redis_connection.connection_pool
+            assert live_connections(pool) == kept, address
+        # Closed connections connect again when asked.
+        rt.redis.set("trim-probe", "1")
+        assert rt.redis.get("trim-probe") == b"1"
+        assert cluster.admin(replicas[0]).ping()
+        assert cluster.topology().primaries == topology.primaries
+    finally:
+        rt.close()

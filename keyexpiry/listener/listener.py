@@ -72,7 +72,9 @@ class Listener:
         self.redis, self.clock, self.owner = rt.redis, rt.clock, rt.owner
         self.run_metrics = rt.metrics
         """What the workers observe of each run (`/metrics` serves it)."""
-        self.idle_redis = IdleTrimmer(lambda: pools_of(rt.redis))
+        self.idle_redis = IdleTrimmer(
+            lambda: pools_of(rt.redis) + (rt.cluster.admin_pools() if rt.cluster else [])
+        )
         """Closes the Redis connections a burst or a recovery opened once they stay unused."""
         self._stop = threading.Event()
         self.warmed = threading.Event()

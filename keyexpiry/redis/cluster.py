@@ -248,6 +248,17 @@ class ClusterNodes:
             self._admins[address] = client
         return client
 
+    def admin_pools(self) -> list[tuple[Any, int]]:
+        """The check clients' pools for `IdleTrimmer`, each with its floor: one connection kept
+        to each primary (the topology is read from one every few seconds), none to a replica
+        or a node gone (asked only when the listener subscribes again). Untrimmed, each grew by
+        the threads that asked at once and kept it (the Cluster hour: +3 per listener)."""
+        primaries = set(self.last.slots) if self.last else set()
+        return [
+            (client.connection_pool, int(address in primaries))
+            for address, client in dict(self._admins).items()
+        ]
+
     def subscriber(self, address: str) -> redis.Redis:
         """A client for a subscription on `address`, with a health check. Its reads wait for
         a message only once select says one is there, so the read timeout bounds a message cut

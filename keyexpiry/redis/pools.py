@@ -15,7 +15,7 @@ from typing import Any
 
 from loguru import logger
 from redis import Redis
-from redis.cluster import RedisCluster
+from redis.cluster import PRIMARY, RedisCluster
 
 TRIM_EVERY_S = 20.0
 """How long a connection must have stayed unneeded (at every sample) before it is closed. The
@@ -24,13 +24,25 @@ the minute issue 42 asks. At 60 s (up to two minutes) the hour-long soak caught 
 after a stall still holding 6 Redis connections where it had 3 (its growth check failed)."""
 
 
-def pools_of(client: Redis | RedisCluster) -> list[Any]:
-    """The connection pools behind `client`: its own, or each Cluster node's."""
+Watched = tuple[Any, int]
+"""A connection pool, and how many connections it keeps at least when it was not needed (1 for
+a pool in use, 0 for one nothing routes to any more)."""
+
+
+def pools_of(client: Redis | RedisCluster) -> list[Watched]:
+    """The connection pools behind `client`: its own, or each Cluster node's. A Cluster node
+    that is not a primary keeps none: commands go to primaries only, and a replica a failover
+    demoted kept the connection it had as a primary for good (the Cluster hour: 12 -> 15
+    connections after three failovers)."""
     if isinstance(client, RedisCluster):
         nodes = client.get_nodes()  # type: ignore[no-untyped-call]
-        return [n.redis_connection.connection_pool for n in nodes if n.redis_connection]
+        return [
+            (n.redis_connection.connection_pool, int(n.server_type == PRIMARY))
+            for n in nodes
+            if n.redis_connection
+        ]
     pool = getattr(client, "connection_pool", None)
-    return [] if pool is None else [pool]
+    return [] if pool is None else [(pool, 1)]
 
 
 def _idle_connected(pool: Any) -> list[Any]:
@@ -50,10 +62,12 @@ def _in_use(pool: Any) -> int:
 class IdleTrimmer:
     """Samples each pool's connections at every `tick`; every `every_s`, closes those that were
     idle at every sample since (the pool never needed them), keeping as many as were ever in
-    use at once at a sample, and at least one (a pool in steady use keeps its connections)."""
+    use at once at a sample, and at least the pool's own floor (a pool in steady use keeps its
+    connections: its commands are too short to be caught in use by a sample)."""
 
-    def __init__(self, pools: Callable[[], list[Any]], every_s: float = TRIM_EVERY_S) -> None:
-        """`pools()` names the pools to watch at each tick (a Cluster's change)."""
+    def __init__(self, pools: Callable[[], list[Watched]], every_s: float = TRIM_EVERY_S) -> None:
+        """`pools()` names the pools to watch at each tick, each with its floor (a Cluster's
+        change)."""
         self._pools = pools
         self.every_s = every_s
         self._least: dict[int, int] = {}
@@ -65,7 +79,7 @@ class IdleTrimmer:
     def tick(self, now_s: float) -> int:
         """Sample (and, once per `every_s`, close); returns how many were closed now."""
         pools = self._pools()
-        for pool in pools:
+        for pool, _ in pools:
             idle, used = len(_idle_connected(pool)), _in_use(pool)
             self._least[id(pool)] = min(self._least.get(id(pool), idle), idle)
             self._peak[id(pool)] = max(self._peak.get(id(pool), used), used)
@@ -74,8 +88,8 @@ class IdleTrimmer:
         if now_s - self._since_s < self.every_s:
             return 0
         closed = sum(
-            self._close(pool, self._least.get(id(pool), 0), max(1, self._peak.get(id(pool), 0)))
-            for pool in pools
+            self._close(pool, self._least.get(id(pool), 0), max(floor, self._peak.get(id(pool), 0)))
+            for pool, floor in pools
         )
         self._least.clear()
         self._peak.clear()
