@@ -184,3 +184,24 @@ def test_with_no_tick_every_key_of_a_busy_stream_is_looked_up_the_millisecond_re
     while driver.pending_count():
         clock.advance(max(1, round(driver._step() * 1000)))
     assert passes == [(due + 1, [due]) for due in dues]
+
+
+def test_a_driver_whose_window_read_outlasted_its_lease_looks_nothing_up_once_a_peer_drives(
+    client: Client, runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    due = runtime.clock.now_ms() + 60_000
+    driver, clock, passes = _leading(runtime, [due])
+    read = driver.store.upcoming
+
+    def slow_read(**kwargs: int) -> list[tuple[str, int]]:
+        rows = read(**kwargs)
+        # The read outlasted the lease, and a peer took the lock meanwhile.
+        clock._now_ms += driver_module.LEASE_MS + 500
+        runtime.redis.set(driver._lock_key, "peer", px=driver_module.LEASE_MS)
+        return rows
+
+    monkeypatch.setattr(driver.store, "upcoming", slow_read)
+    clock._now_ms = due + 10
+    driver.reread()  # the window is read at this step
+    assert driver._step() == driver_module.STANDBY_RETRY_S
+    assert not passes and not driver.is_leader

@@ -243,6 +243,11 @@ class ExpiryDriver:
                 self._horizon_ms = min(self._horizon_ms, now_ms - 5000)
         if self._horizon_ms - now_ms < window_ms // 2:
             self._read_window(now_ms, window_ms)
+            # A read as long as the lease (a loaded ledger) may have let a peer take the lock:
+            # renewed before any lookup, or two drivers would look the same keys up.
+            now_ms = self.clock.now_ms()
+            if not self._hold_lock(now_ms):
+                return STANDBY_RETRY_S
         tick_ms = self._tick_ms
         next_pass = self._last_pass_ms + tick_ms
         due: list[tuple[int, str]] = []
