@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from loguru import logger
 
+from keyexpiry import malloc
 from keyexpiry.clock import monotonic_s
 from keyexpiry.errors import KeyExpiryError, StoreError
 from keyexpiry.flow.pauses import PAUSE_WAKE
@@ -76,6 +77,8 @@ class Listener:
             lambda: pools_of(rt.redis) + (rt.cluster.admin_pools() if rt.cluster else [])
         )
         """Closes the Redis connections a burst or a recovery opened once they stay unused."""
+        self.freed_memory = malloc.Trimmer()
+        """Hands what the allocator's arenas freed back to the kernel (`keyexpiry.malloc`)."""
         self._stop = threading.Event()
         self.warmed = threading.Event()
         """Set once the ledger connections are open and the claims compiled (`_warm_up`)."""
@@ -202,6 +205,8 @@ class Listener:
             len(self.registry.specs()),
             self.settings.concurrency,
         )
+        # Before the threads start: they would each get an arena of their own.
+        malloc.limit_arenas()
         try:
             # Before anything is written (schema, schedules, sentinels) or started: a listener
             # that cannot start must leave nothing behind and stop at once.
@@ -420,6 +425,7 @@ class Listener:
     def _self_check(self, now_s: float) -> None:
         self.health.self_check(now_s)
         self.idle_redis.tick(now_s)
+        self.freed_memory.tick(now_s)
 
     def _connect(self) -> None:
         self.subscription.connect()
