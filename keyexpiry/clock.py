@@ -58,6 +58,7 @@ class RedisClock:
         self._base: tuple[float, float] | None = None
         self._retry_mono_s = -1e18
         self._syncing = False
+        self._closed = False
         self.syncs_failed = 0
         """Background resyncs that failed (Redis away, paused or stalled)."""
 
@@ -72,6 +73,9 @@ class RedisClock:
         does."""
         best: tuple[float, float, float] | None = None  # (round trip s, base ms, base mono s)
         for _ in range(SYNC_TRIES):
+            if self._closed:
+                # A reading now would connect the closed client again, for good.
+                raise redis.ConnectionError("the clock's Redis client is closed")
             before = time.monotonic()
             seconds, micros = self._client.time()
             after = time.monotonic()
@@ -104,12 +108,24 @@ class RedisClock:
             self._resync_in_background()
         return int(base[0] + (mono - base[1]) * 1000.0)
 
+    def close(self) -> None:
+        """Start no more readings: the runtime is closing the client, and a resync begun after
+        that would connect it again, a connection nothing would close."""
+        self._closed = True
+
     def _resync_in_background(self) -> None:
         with self._lock:
-            if self._syncing:
+            if self._syncing or self._closed:
                 return
             self._syncing = True
-        threading.Thread(target=self._resync, name="keyexpiry-clock-sync", daemon=True).start()
+        try:
+            threading.Thread(target=self._resync, name="keyexpiry-clock-sync", daemon=True).start()
+        except RuntimeError:
+            # No thread to be had (a thread limit, the interpreter shutting down): extrapolate
+            # on, and try again later.
+            self._retry_mono_s = time.monotonic() + _RESYNC_RETRY_S
+            with self._lock:
+                self._syncing = False
 
     def _resync(self) -> None:
         try:

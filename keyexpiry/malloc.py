@@ -11,13 +11,15 @@ smaller with `MALLOC_ARENA_MAX=2`. Sidekiq gives Ruby processes the same advice.
 
 Two calls, both glibc's and both no-ops elsewhere: at start, at most `ARENAS` arenas (unless
 `MALLOC_ARENA_MAX` is set: the operator's choice stands); and every `TRIM_EVERY_S`,
-`malloc_trim(0)`, which hands the free pages of every arena back to the kernel.
+`malloc_trim(0)`, which hands the free pages of every arena back to the kernel. With two
+arenas, threads that allocate at once (drivers' C code allocates with the GIL released) wait
+on each other's lock a little more: no change showed in the throughput benchmark
+(docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from functools import cache
 from typing import Any
@@ -39,24 +41,36 @@ def _libc() -> Any | None:
     try:
         if not str(os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
             return None
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
     except (OSError, ValueError):
         return None
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    return libc
+
+
+def _operator_chose() -> bool:
+    """Whether the environment sets the number of arenas (glibc read it at start)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return bool(os.environ.get("MALLOC_ARENA_MAX")) or "glibc.malloc.arena_max" in tunables
 
 
 def limit_arenas(arenas: int = ARENAS) -> bool:
-    """Cap glibc's arenas at `arenas` for threads that allocate from now on (call it before
-    starting them). Returns whether the cap was set: not on another C library, and not when
-    `MALLOC_ARENA_MAX` is set in the environment (glibc read it at start)."""
+    """Cap glibc's arenas at `arenas` for threads that allocate from now on. Call it before
+    threads start: glibc fixes its limit once a ninth arena exists, and a later call, though
+    it says yes, changes nothing. Returns whether the cap was set: not on another C library,
+    and not when the environment sets it (`MALLOC_ARENA_MAX`, or `glibc.malloc.arena_max` in
+    `GLIBC_TUNABLES`)."""
     libc = _libc()
-    if libc is None or os.environ.get("MALLOC_ARENA_MAX"):
+    if libc is None or _operator_chose():
         return False
     return bool(libc.mallopt(_M_ARENA_MAX, arenas))
 
 
 def trim() -> bool:
-    """Hand the free pages of every arena back to the kernel (`malloc_trim(0)`); returns
-    whether any memory was released (False on another C library)."""
+    """Hand the free pages of every arena back to the kernel (`malloc_trim(0)`, a few ms at a
+    listener's size, each arena locked in turn); returns whether any memory was released
+    (False on another C library)."""
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
 

@@ -128,6 +128,7 @@ class Runtime:
 
     def close(self) -> None:
         """Release every connection."""
+        self.clock.close()
         close_client(self.redis)
         if self.cluster is not None:
             self.cluster.close()

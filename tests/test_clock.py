@@ -62,9 +62,9 @@ def test_a_resync_meeting_a_paused_redis_holds_no_caller(redis_factory: RedisFac
         # A resync meets the paused server and waits out the socket timeout: on a thread of its
         # own, while every caller extrapolates.
         began_s = monotonic_s()
-        readings = [clock.now_ms() for _ in range(3)]
+        for _ in range(3):
+            clock.now_ms()
         blocked_s = monotonic_s() - began_s
-        assert readings == sorted(readings)
         assert blocked_s < 0.5, f"asking the time waited {blocked_s:.1f} s for a paused Redis"
         # (asking on: a resync begun before the pause took effect may have finished)
         wait_until(

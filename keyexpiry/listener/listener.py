@@ -205,9 +205,9 @@ class Listener:
             len(self.registry.specs()),
             self.settings.concurrency,
         )
-        # Before the threads start: they would each get an arena of their own.
-        malloc.limit_arenas()
         try:
+            # Before the threads start: they would each get an arena of their own.
+            malloc.limit_arenas()
             # Before anything is written (schema, schedules, sentinels) or started: a listener
             # that cannot start must leave nothing behind and stop at once.
             self.subscription.check_at_start()

@@ -230,6 +230,8 @@ class ClusterNodes:
         self._admins: dict[str, redis.Redis] = {}
         self._known: list[str] = [f"{h}:{p}" for h, p in parsed.addresses]
         self.last: Topology | None = None
+        self._read_from: str | None = None
+        """The node the topology was last read from (asked first next time)."""
         self._unanswered: set[str] = set()
         """Nodes whose last CLUSTER SLOTS failed (timed out, refused): asked last."""
 
@@ -250,12 +252,14 @@ class ClusterNodes:
 
     def admin_pools(self) -> list[tuple[Any, int]]:
         """The check clients' pools for `IdleTrimmer`, each with its floor: one connection kept
-        to each primary (the topology is read from one every few seconds), none to a replica
-        or a node gone (asked only when the listener subscribes again). Untrimmed, each grew by
-        the threads that asked at once and kept it (the Cluster hour: +3 per listener)."""
-        primaries = set(self.last.slots) if self.last else set()
+        to each primary and to the node the topology is read from (every few seconds: a replica
+        once its primary did not answer), none to other replicas or nodes gone (asked when the
+        listener subscribes again). Untrimmed, each grew by the threads that asked at once and
+        kept it (the Cluster hour: +3 per listener)."""
+        kept = set(self.last.slots) if self.last else set()
+        kept.add(self._read_from or "")
         return [
-            (client.connection_pool, int(address in primaries))
+            (client.connection_pool, int(address in kept))
             for address, client in dict(self._admins).items()
         ]
 
@@ -282,6 +286,7 @@ class ClusterNodes:
                 self._unanswered.add(address)
                 continue
             self._unanswered.discard(address)
+            self._read_from = address
             if not topology.slots:
                 continue
             self.last = topology
