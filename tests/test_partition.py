@@ -233,6 +233,70 @@ def test_a_dead_peers_share_waits_until_it_is_silent_then_runs_from_the_ledger(
     assert running.listener.fleet.caught_up >= len(ghosts)
 
 
+def test_a_key_falling_due_while_a_dead_peers_share_moves_is_caught_up_at_once(
+    settings: Settings,
+    client: Client,
+    start_listener: StartListener,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The beat that takes a silent peer's buckets runs their overdue rows: those due by the end
+    of that beat, not by its start. A key that falls due while the beat reads who is alive is
+    heard and dropped (its bucket still the peer's), and only that read finds it; read up to the
+    beat's start, it waited for the overdue check (the Patroni hour: 12-14 s)."""
+    running = start_listener(settings.replace(**QUICK))
+    fleet, router = running.listener.fleet, running.listener.router
+    part = fleet.partition
+    ghost = "ghost:1:dead"
+    stop_beating = threading.Event()
+
+    def beat() -> None:
+        while not stop_beating.wait(0.1):
+            now = client.clock.now_ms()
+            client.store.beat(ListenerRow(ghost, "ghost", 1, now, now, 0, part.classes))
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    submitted: list[str] = []
+    submit = fleet._submit
+    assert submit is not None
+
+    def record(keys: list[str]) -> None:
+        submitted.extend(keys)
+        submit(keys)
+
+    monkeypatch.setattr(fleet, "_submit", record)
+    late: list[str] = []
+    read_members = fleet.store.live_members
+
+    def live_members(since_ms: int) -> dict[str, frozenset[str] | None]:
+        members = read_members(since_ms)
+        if stop_beating.is_set() and ghost not in members and not late:
+            # This beat moves the ghost's share here. Meanwhile a key of it falls due, and its
+            # event is heard and dropped: the bucket is still the ghost's.
+            dropped = router.others_share
+            late.append(client.create(sample_tasks.Probe.record, arg, ttl_ms=0))
+            wait_until(lambda: router.others_share > dropped, 5, message="no event dropped")
+        return members
+
+    try:
+        wait_until(lambda: part.peers == 1, 10)
+        mine = assign(frozenset({running.listener.owner, ghost}), running.listener.owner)
+        arg = next(
+            a
+            for a in (f"late{i}" for i in range(1000))
+            if not mine[bucket_of(client.key_for(sample_tasks.Probe.record, a).encode())]
+        )
+        monkeypatch.setattr(fleet.store, "live_members", live_members)
+    finally:
+        stop_beating.set()
+        beater.join()
+    wait_until(lambda: bool(late), 10, message="the ghost's share never moved")
+    wait_status(client, late[0], TaskStatus.DONE)
+    # Run by the beat that took the bucket, not by the overdue check after it.
+    assert late[0] in submitted
+    assert sample_tasks.CALLS[late[0]] == 1
+
+
 class Solo:
     """A class only one listener of the test registers."""
 
