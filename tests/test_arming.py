@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import redis
+from redis.cluster import RedisCluster
 
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.keys import MAX_KEY_BYTES, wake_channel
 from keyexpiry.redis.arming import WAKE_MAX_BYTES, arm_keys, parse_wake
+from keyexpiry.redis.cluster import cluster_client, parse_cluster_url
 from keyexpiry.settings import Settings
 
 
@@ -22,6 +24,40 @@ def test_every_key_expires_exactly_at_its_due_time(redis_url: str, n: int) -> No
         pipe.execute_command("PEXPIRETIME", key)
     assert pipe.execute() == [due for _, due in items]
     r.close()
+
+
+def _missing_armed_over(client: redis.Redis | RedisCluster, n: int) -> None:
+    """`arm_keys(missing=True)` over `n` keys, one in three set meanwhile at another due (a
+    reschedule): those keep it, the others are armed; a past due is armed and expired too."""
+    now_ms = int(client.time()[0]) * 1000  # type: ignore[index]
+    prefix = f"Probe@record@miss{n}-"
+    items = [(f"{prefix}{i}", now_ms + 60_000 + i) for i in range(n)]
+    moved = {key: now_ms + 7_200_000 + i for i, (key, _) in enumerate(items) if i % 3 == 0}
+    for key, due_ms in moved.items():
+        client.set(key, "", pxat=due_ms)
+    arm_keys(client, items, now_ms, Settings(wake_ahead_s=120), missing=True)  # type: ignore[arg-type]
+    for key, due_ms in items:
+        assert client.execute_command("PEXPIRETIME", key) == moved.get(key, due_ms), key
+    past = f"{prefix}past"
+    arm_keys(client, [(past, now_ms - 10)], now_ms, Settings(), missing=True)  # type: ignore[arg-type]
+    assert not client.exists(past)  # armed already due, and expired by its lookup
+
+
+@pytest.mark.parametrize("n", [1, 3, 2500], ids=["one", "pipeline", "script"])
+def test_keys_found_missing_are_armed_unless_set_meanwhile(redis_url: str, n: int) -> None:
+    r = redis.Redis.from_url(redis_url)
+    try:
+        _missing_armed_over(r, n)
+    finally:
+        r.close()
+
+
+def test_keys_found_missing_are_armed_unless_set_meanwhile_on_a_cluster(cluster_url: str) -> None:
+    client = cluster_client(parse_cluster_url(cluster_url), {})
+    try:
+        _missing_armed_over(client, 300)  # one plain pipeline per primary
+    finally:
+        client.close()
 
 
 def test_one_key_due_beyond_the_wake_horizon_is_set_and_announces_nothing(redis_url: str) -> None:

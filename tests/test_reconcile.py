@@ -158,6 +158,34 @@ def test_a_task_rescheduled_while_the_walk_checks_its_page_keeps_its_new_due(
     assert row is not None and client.redis.pexpiretime(far[7]) == row.due_at_ms
 
 
+def test_a_lost_key_rescheduled_while_the_walk_rearms_it_keeps_its_new_due(
+    settings: Settings, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The Cluster soak: a task rescheduled just after a FLUSHALL, between the walk's second
+    # read of its row (still the old due) and its re-arm, got its key put back to the old due
+    # and ran 12 s late, by the overdue check.
+    far = _far(client, 50)
+    client.redis.delete(far[7])  # lost: the walk re-arms it
+    moved: list[str] = []
+    read_again = ScanQueries.pending_again
+
+    def then_rescheduled(self: ScanQueries, keys: list[str]) -> Any:
+        rows = read_again(self, keys)
+        if far[7] in keys and not moved:
+            moved.append(client.create(sample_tasks.Probe.record, "far7", ttl_s=7200))
+        return rows
+
+    monkeypatch.setattr(ScanQueries, "pending_again", then_rescheduled)
+    rt = Runtime.open(settings)
+    try:
+        report = Reconciler.of(rt).run()
+    finally:
+        rt.close()
+    assert moved == [far[7]] and report.rearmed == 1
+    row = client.store.get(far[7])
+    assert row is not None and client.redis.pexpiretime(far[7]) == row.due_at_ms
+
+
 def test_a_reconciliation_asked_for_during_the_walk_walks_again_after_it(
     settings: Settings, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:

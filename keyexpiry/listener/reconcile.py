@@ -349,6 +349,7 @@ class Reconciler:
         future = [r for r in page if r.due_at_ms > now_ms]
         report.overdue += len(overdue)
         to_arm: list[PendingKey] = []
+        missing: set[str] = set()
         if future:
             pipe = self.redis.pipeline(transaction=False)
             for row in future:
@@ -364,6 +365,8 @@ class Reconciler:
                 longest_ms = row.due_at_ms - sent_ms + TTL_TOLERANCE_MS
                 if pttl < 0 or not shortest_ms <= int(pttl) <= longest_ms:
                     to_arm.append(row)
+                    if pttl == -2:
+                        missing.add(row.key)
         if overdue:
             if self.submit is not None:
                 mine = self.mine
@@ -377,7 +380,13 @@ class Reconciler:
         report.rearmed += len(to_arm)
         if dry_run or not to_arm:
             return
-        self._arm([(r.key, r.due_at_ms) for r in to_arm], now_ms)
+        # A key found missing is set only if it still is: a reschedule that committed after
+        # `_unchanged` read its row set the new due already (the Cluster soak: one task put
+        # back to its old due by the FLUSHALL's walk, run 12 s late by the overdue check).
+        lost = [(r.key, r.due_at_ms) for r in to_arm if r.key in missing]
+        wrong = [(r.key, r.due_at_ms) for r in to_arm if r.key not in missing]
+        arm_keys(self.redis, lost, now_ms, self.settings, missing=True)
+        self._arm(wrong, now_ms)
         self.rearmed_total += len(to_arm)
         for row in to_arm:
             logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")

@@ -30,6 +30,8 @@ for due in string.gmatch(ARGV[1], '%d+') do
 end
 return i
 """
+# The same for keys found missing: one set meanwhile (a reschedule) is left as it is.
+_ARM_MISSING_SCRIPT = _ARM_SCRIPT.replace("'PXAT', due)", "'PXAT', due, 'NX')")
 
 
 class ArmingSettings(Protocol):
@@ -42,7 +44,12 @@ class ArmingSettings(Protocol):
 
 
 def arm_keys(
-    client: redis.Redis, items: Sequence[tuple[str, int]], now_ms: int, settings: ArmingSettings
+    client: redis.Redis,
+    items: Sequence[tuple[str, int]],
+    now_ms: int,
+    settings: ArmingSettings,
+    *,
+    missing: bool = False,
 ) -> None:
     """In one pipeline: `SET key "" PXAT due_ms` for each (key, due_ms), a lookup for keys
     already due, and a wake message for the driver listing those due within `wake_ahead_s`.
@@ -50,11 +57,15 @@ def arm_keys(
     `PXAT` makes Redis expire the key at exactly the ledger's due time (on Redis's clock). A due
     time already past still produces `expired` (never `del`, as an EXPIRE in the past would); the
     lookup makes Redis notice at once rather than at its next sweep.
+
+    `missing`: the keys were found missing; one that is there now was set meanwhile by whoever
+    changed its row (a reschedule), and is left as it is (`SET … NX`).
     """
     if not items:
         return
     horizon = now_ms + int(settings.wake_ahead_s * 1000)
-    if len(items) == 1 and _arm_one(client, *items[0], now_ms, horizon, settings.key_prefix):
+    one = len(items) == 1
+    if one and _arm_one(client, *items[0], now_ms, horizon, settings.key_prefix, missing):
         return
     pipe = client.pipeline(transaction=False)
     soon: list[str] = []
@@ -63,7 +74,7 @@ def arm_keys(
     bulk = len(future) >= _SCRIPT_MIN_KEYS
     if cluster and bulk:
         # A script over many keys is cross-slot on a cluster: one plain pipeline per primary.
-        _set_per_node(cast(RedisCluster, client), future)
+        _set_per_node(cast(RedisCluster, client), future, missing)
     scripted = bulk and not cluster
     for key, due_ms in items:
         if due_ms <= now_ms:
@@ -73,15 +84,15 @@ def arm_keys(
             # millisecond (ttl 0), or a creator's clock a hair ahead of Redis's, would leave the
             # lookup finding it alive, to wait up to 100 ms for Redis's sweep (measured: run-now
             # tasks p50 40 ms, p99 105 ms after their create).
-            pipe.set(key, b"", pxat=_PAST_MS)
+            pipe.set(key, b"", pxat=_PAST_MS, nx=missing)
             pipe.exists(key)
         else:
             if not bulk:
-                pipe.set(key, b"", pxat=due_ms)
+                pipe.set(key, b"", pxat=due_ms, nx=missing)
             if due_ms <= horizon:
                 soon.append(f"{due_ms} {key}")
     if scripted:
-        script = client.register_script(_ARM_SCRIPT)
+        script = client.register_script(_ARM_MISSING_SCRIPT if missing else _ARM_SCRIPT)
         for start in range(0, len(future), _SCRIPT_CHUNK):
             chunk = future[start : start + _SCRIPT_CHUNK]
             dues = " ".join([str(int(d)) for _, d in chunk])
@@ -104,6 +115,7 @@ def _arm_one(
     now_ms: int,
     horizon_ms: int,
     prefix: str,
+    missing: bool = False,
 ) -> bool:
     """One key (a single create, typically), as `arm_keys` arms it, its commands sent straight
     on a pooled connection: redis-py's command and pipeline paths (argument decorators,
@@ -114,13 +126,20 @@ def _arm_one(
     are idempotent; a wake message sent twice costs the driver one lookup)."""
     if isinstance(client, RedisCluster) or client.connection is not None:
         return False
+    nx: tuple[str, ...] = ("NX",) if missing else ()
     if due_ms <= now_ms:
-        commands: list[tuple[object, ...]] = [("SET", key, b"", "PXAT", _PAST_MS), ("EXISTS", key)]
+        commands: list[tuple[object, ...]] = [
+            ("SET", key, b"", "PXAT", _PAST_MS, *nx),
+            ("EXISTS", key),
+        ]
     elif due_ms <= horizon_ms:
         channel = wake_channel(redis_db(client), prefix)
-        commands = [("SET", key, b"", "PXAT", due_ms), ("PUBLISH", channel, f"{due_ms} {key}")]
+        commands = [
+            ("SET", key, b"", "PXAT", due_ms, *nx),
+            ("PUBLISH", channel, f"{due_ms} {key}"),
+        ]
     else:
-        commands = [("SET", key, b"", "PXAT", due_ms)]
+        commands = [("SET", key, b"", "PXAT", due_ms, *nx)]
     pool = client.connection_pool
     try:
         conn = pool.get_connection()
@@ -144,7 +163,9 @@ def _arm_one(
         pool.release(conn)
 
 
-def _set_per_node(client: RedisCluster, items: Sequence[tuple[str, int]]) -> None:
+def _set_per_node(
+    client: RedisCluster, items: Sequence[tuple[str, int]], missing: bool = False
+) -> None:
     """`SET key "" PXAT due` for many keys of a cluster: one plain pipeline per primary (a
     cluster pipeline took ~1.6x as long for 10k SETs, measured). A slot that moved meanwhile
     (MOVED, ASK) or a node that failed over sends the lot again through the cluster pipeline,
@@ -153,12 +174,12 @@ def _set_per_node(client: RedisCluster, items: Sequence[tuple[str, int]]) -> Non
         for node, positions in by_node(client, [key for key, _ in items]):
             pipe = node.pipeline(transaction=False)
             for i in positions:
-                pipe.set(items[i][0], b"", pxat=items[i][1])
+                pipe.set(items[i][0], b"", pxat=items[i][1], nx=missing)
             pipe.execute()
     except redis.RedisError:
         pipe = client.pipeline(transaction=False)  # type: ignore[no-untyped-call]
         for key, due_ms in items:
-            pipe.set(key, b"", pxat=due_ms)
+            pipe.set(key, b"", pxat=due_ms, nx=missing)
         pipe.execute()
 
 

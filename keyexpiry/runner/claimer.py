@@ -416,8 +416,13 @@ class Claimer:
             existing.exists(row.key)
         present = existing.execute()
         missing = [r for r, p in zip(rows, present, strict=True) if not p]
+        # Set only if still missing: a reschedule since set the new due.
         arm_keys(
-            self.redis, [(r.key, r.due_at_ms) for r in missing], self.clock.now_ms(), self.settings
+            self.redis,
+            [(r.key, r.due_at_ms) for r in missing],
+            self.clock.now_ms(),
+            self.settings,
+            missing=True,
         )
 
     def _note_rowless(self, keys: list[str]) -> None:
