@@ -38,9 +38,26 @@ def _missing_armed_over(client: redis.Redis | RedisCluster, n: int) -> None:
     arm_keys(client, items, now_ms, Settings(wake_ahead_s=120), missing=True)  # type: ignore[arg-type]
     for key, due_ms in items:
         assert client.execute_command("PEXPIRETIME", key) == moved.get(key, due_ms), key
-    past = f"{prefix}past"
-    arm_keys(client, [(past, now_ms - 10)], now_ms, Settings(), missing=True)  # type: ignore[arg-type]
-    assert not client.exists(past)  # armed already due, and expired by its lookup
+
+
+def _expired_total(client: redis.Redis) -> int:
+    return int(client.info("stats")["expired_keys"])
+
+
+@pytest.mark.parametrize("n", [1, 3], ids=["one", "pipeline"])
+def test_a_key_found_missing_and_already_due_is_armed_and_expired_at_once(
+    redis_url: str, n: int
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    try:
+        now_ms = int(r.time()[0]) * 1000
+        items = [(f"Probe@record@missing-past{n}-{i}", now_ms - 10) for i in range(n)]
+        before = _expired_total(r)
+        arm_keys(r, items, now_ms, Settings(), missing=True)
+        assert _expired_total(r) - before >= n  # set, then expired by its lookup
+        assert not any(r.exists(k) for k, _ in items)
+    finally:
+        r.close()
 
 
 @pytest.mark.parametrize("n", [1, 3, 2500], ids=["one", "pipeline", "script"])

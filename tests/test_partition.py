@@ -274,7 +274,8 @@ def test_a_key_falling_due_while_a_dead_peers_share_moves_is_caught_up_at_once(
             # This beat moves the ghost's share here. Meanwhile a key of it falls due, and its
             # event is heard and dropped: the bucket is still the ghost's.
             dropped = router.others_share
-            late.append(client.create(sample_tasks.Probe.record, arg, ttl_ms=0))
+            # (50 ms ahead: after the beat's start on any of the two clocks)
+            late.append(client.create(sample_tasks.Probe.record, arg, ttl_ms=50))
             wait_until(lambda: router.others_share > dropped, 5, message="no event dropped")
         return members
 

@@ -158,14 +158,18 @@ def test_a_task_rescheduled_while_the_walk_checks_its_page_keeps_its_new_due(
     assert row is not None and client.redis.pexpiretime(far[7]) == row.due_at_ms
 
 
-def test_a_lost_key_rescheduled_while_the_walk_rearms_it_keeps_its_new_due(
-    settings: Settings, client: Client, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("damage", ["lost", "wrong expiry"])
+def test_a_key_rescheduled_while_the_walk_rearms_it_keeps_its_new_due(
+    settings: Settings, client: Client, monkeypatch: pytest.MonkeyPatch, damage: str
 ) -> None:
     # The Cluster soak: a task rescheduled just after a FLUSHALL, between the walk's second
     # read of its row (still the old due) and its re-arm, got its key put back to the old due
     # and ran 12 s late, by the overdue check.
     far = _far(client, 50)
-    client.redis.delete(far[7])  # lost: the walk re-arms it
+    if damage == "lost":
+        client.redis.delete(far[7])
+    else:
+        client.redis.persist(far[7])  # a key that would never expire
     moved: list[str] = []
     read_again = ScanQueries.pending_again
 

@@ -387,6 +387,17 @@ class Reconciler:
         wrong = [(r.key, r.due_at_ms) for r in to_arm if r.key not in missing]
         arm_keys(self.redis, lost, now_ms, self.settings, missing=True)
         self._arm(wrong, now_ms)
+        if wrong:
+            # A key found with the wrong expiry is overwritten: one whose row changed since the
+            # re-read is armed again at its new due (a reschedule commits before it sets its
+            # key, so one that commits after this read sets its key after ours).
+            fresh = self.store.pending_again([k for k, _ in wrong])
+            moved = [
+                (k, now.due_at_ms)
+                for k, due in wrong
+                if (now := fresh.get(k)) is not None and now.due_at_ms != due
+            ]
+            self._arm(moved, now_ms)
         self.rearmed_total += len(to_arm)
         for row in to_arm:
             logger.bind(key=row.key, attempt=row.attempts).debug("key re-armed from the ledger")
