@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "errors", "keys", "limits", "tags", "tracing", "clock", "threads", "log", "printable",
         "context", "arguments",
-        "masking",
+        "masking", "malloc",
     ),
     ("redis",),  # 1: Redis servers and clients, arming keys (each kind parses its own URL)
     # 2: settings, what may run, what a run observes (flow control, pauses)
