@@ -346,6 +346,37 @@ def test_a_claim_whose_lease_ran_out_in_the_queue_is_not_run_a_second_time(
     assert running.listener.dispatcher.stats.claims_lost == 1
 
 
+def test_a_queued_claim_taken_over_while_its_lease_still_ran_is_not_run_a_second_time(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    # A peer takes a silent (frozen) listener's runs over after `takeover_after_s`, whatever
+    # their lease (30 s of grace by default). Resumed, the frozen listener started the runs
+    # it had queued, on a lease that still looked long enough: each ran twice (the short
+    # Cluster soak, SIGSTOP 6 s: 10 tasks).
+    cfg = settings.replace(
+        concurrency=1, handler_timeout_s=1.0, lease_grace_s=30.0, takeover_after_s=1.0
+    )
+    running = start_listener(cfg)
+    blocker = client.create("Probe.wait", "taken", ttl_ms=0)
+    wait_until(lambda: sample_tasks.CALLS[blocker] == 1, 5)
+    queued = client.create("Probe.record", "taken", ttl_ms=0)
+    wait_status(client, queued, TaskStatus.RUNNING)
+    # The takeover a peer makes of a listener silent for `takeover_after_s`: as late after
+    # the claim, at least.
+    claimed = client.store.get(queued)
+    assert claimed is not None and claimed.started_at_ms is not None
+    wait_until(lambda: client.clock.now_ms() > claimed.started_at_ms + 1000, 5)  # type: ignore[operator]
+    listener = running.listener
+    listener.reconciler.requeue_runs_of(listener.owner, client.clock.now_ms() + 1)
+    wait_status(client, queued, TaskStatus.PENDING)
+    sample_tasks.gate("taken").set()
+    row = wait_status(client, queued, TaskStatus.DONE)
+    assert row.attempts == 2
+    wait_until(lambda: listener.dispatcher.idle(), 10)
+    assert sample_tasks.CALLS[queued] == 1
+    assert listener.dispatcher.stats.claims_lost >= 1
+
+
 def test_a_burst_of_other_expired_events_does_not_trip_the_canary(
     redis_url: str, sqlite_url: str, tmp_path: Path, start_listener: StartListener
 ) -> None:

@@ -400,7 +400,12 @@ class Executor:
         """
         grace_ms = int(self.settings.lease_grace_s * 1000)
         needed_ms = now_ms + int(run.timeout_s * 1000) + grace_ms // 2
-        if run.lease_until_ms >= needed_ms:
+        # A peer takes over a silent listener's runs whatever their lease: one that waited
+        # half `takeover_after_s` (this listener frozen meanwhile, its beats with it) asks the
+        # ledger first. The short Cluster soak: runs queued when a SIGSTOP (6 s) came started
+        # after it, 0.7 s after their takeover had run them again.
+        waited_s = monotonic_s() - run.claimed_s
+        if run.lease_until_ms >= needed_ms and waited_s < self.settings.takeover_after_s / 2:
             return True
         until_ms = now_ms + int(run.timeout_s * 1000) + grace_ms
         try:

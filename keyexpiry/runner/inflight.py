@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from keyexpiry.clock import monotonic_s
 from keyexpiry.ledger.rows import Occurrence, Outcome, TaskRow
@@ -46,6 +46,8 @@ class ClaimedRun:
     """The watchdog took `end_tx`: the run's connection must never go back to the pool."""
     occurrence: Occurrence | None = None
     """The schedule's occurrence this run stands for (set as it starts), or None."""
+    claimed_s: float = field(default_factory=monotonic_s)
+    """When it was claimed (monotonic): a run that waited long may have been taken over."""
 
 
 @dataclass
