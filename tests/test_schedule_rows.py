@@ -204,7 +204,9 @@ def test_a_schedule_whose_class_no_live_listener_registers_is_flagged(
     db_url: str,
     tmp_path: Path,
 ) -> None:
-    start_listener(settings)  # registers every task class this process imported, Report too
+    running = start_listener(settings)  # registers every class this process imported, Report too
+    # Live once its first heartbeat is written (on SQLite it may wait behind the start's writes).
+    wait_until(lambda: running.listener.fleet.beats >= 1, 15)
     client.schedule("reports", Report.build, "eu", every_s=3600)
     with Client(settings, registry=Registry()) as producer:  # a producer cannot tell
         producer.schedule("typo", "Reportz.build", "eu", every_s=3600)
