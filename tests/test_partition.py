@@ -181,6 +181,29 @@ def test_a_silent_peer_leaves_the_share_after_three_beats_before_its_runs_are_ta
     assert share_silence_s(defaults.replace(heartbeat_s=0.2, takeover_after_s=1.0)) == 1.0
 
 
+class _Ghost:
+    """A peer that beats every 0.1 s with the listener's classes but hears nothing (as if its
+    process hung in the middle of dying), until `stop()`."""
+
+    name = "ghost:1:dead"
+
+    def __init__(self, client: Client, part: Partition) -> None:
+        self.stopped = threading.Event()
+
+        def beat() -> None:
+            while not self.stopped.wait(0.1):
+                now = client.clock.now_ms()
+                client.store.beat(ListenerRow(self.name, "ghost", 1, now, now, 0, part.classes))
+
+        self._thread = threading.Thread(target=beat, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating: silent from now on."""
+        self.stopped.set()
+        self._thread.join()
+
+
 @pytest.mark.parametrize("backlog", [0, 10_500], ids=["alone", "behind-a-backlog"])
 def test_a_dead_peers_share_waits_until_it_is_silent_then_runs_from_the_ledger(
     settings: Settings, client: Client, start_listener: StartListener, backlog: int
@@ -202,21 +225,12 @@ def test_a_dead_peers_share_waits_until_it_is_silent_then_runs_from_the_ledger(
     quick = settings.replace(**QUICK)
     running = start_listener(quick)
     part = running.listener.fleet.partition
-    ghost = "ghost:1:dead"
-    stop_beating = threading.Event()
-
-    def beat() -> None:
-        while not stop_beating.wait(0.1):
-            now = client.clock.now_ms()
-            client.store.beat(ListenerRow(ghost, "ghost", 1, now, now, 0, part.classes))
-
-    beater = threading.Thread(target=beat, daemon=True)
-    beater.start()
+    ghost = _Ghost(client, part)
     try:
         wait_until(
             lambda: part.peers == 1 and part.owned_buckets() < len(part.classes) * BUCKETS, 10
         )
-        mine = assign(frozenset({running.listener.owner, ghost}), running.listener.owner)
+        mine = assign(frozenset({running.listener.owner, ghost.name}), running.listener.owner)
         keys = [client.create(sample_tasks.Probe.record, f"g{i}", ttl_ms=20) for i in range(200)]
         ghosts = [k for k in keys if not mine[bucket_of(k.encode())]]
         assert 40 < len(ghosts) < 160
@@ -225,8 +239,7 @@ def test_a_dead_peers_share_waits_until_it_is_silent_then_runs_from_the_ledger(
         # The ghost's share is overdue and unclaimed while it beats.
         assert all(client.store.get(k).status is TaskStatus.PENDING for k in ghosts)  # type: ignore[union-attr]
     finally:
-        stop_beating.set()
-        beater.join()
+        ghost.stop()
     for key in ghosts:
         wait_status(client, key, TaskStatus.DONE, timeout_s=15)
     assert all(sample_tasks.CALLS[k] == 1 for k in keys)
@@ -246,16 +259,7 @@ def test_a_key_falling_due_while_a_dead_peers_share_moves_is_caught_up_at_once(
     running = start_listener(settings.replace(**QUICK))
     fleet, router = running.listener.fleet, running.listener.router
     part = fleet.partition
-    ghost = "ghost:1:dead"
-    stop_beating = threading.Event()
-
-    def beat() -> None:
-        while not stop_beating.wait(0.1):
-            now = client.clock.now_ms()
-            client.store.beat(ListenerRow(ghost, "ghost", 1, now, now, 0, part.classes))
-
-    beater = threading.Thread(target=beat, daemon=True)
-    beater.start()
+    ghost = _Ghost(client, part)
     submitted: list[str] = []
     submit = fleet._submit
     assert submit is not None
@@ -270,7 +274,7 @@ def test_a_key_falling_due_while_a_dead_peers_share_moves_is_caught_up_at_once(
 
     def live_members(since_ms: int) -> dict[str, frozenset[str] | None]:
         members = read_members(since_ms)
-        if stop_beating.is_set() and ghost not in members and not late:
+        if ghost.stopped.is_set() and ghost.name not in members and not late:
             # This beat moves the ghost's share here. Meanwhile a key of it falls due, and its
             # event is heard and dropped: the bucket is still the ghost's.
             dropped = router.others_share
@@ -281,7 +285,7 @@ def test_a_key_falling_due_while_a_dead_peers_share_moves_is_caught_up_at_once(
 
     try:
         wait_until(lambda: part.peers == 1, 10)
-        mine = assign(frozenset({running.listener.owner, ghost}), running.listener.owner)
+        mine = assign(frozenset({running.listener.owner, ghost.name}), running.listener.owner)
         arg = next(
             a
             for a in (f"late{i}" for i in range(1000))
@@ -289,8 +293,7 @@ def test_a_key_falling_due_while_a_dead_peers_share_moves_is_caught_up_at_once(
         )
         monkeypatch.setattr(fleet.store, "live_members", live_members)
     finally:
-        stop_beating.set()
-        beater.join()
+        ghost.stop()
     wait_until(lambda: bool(late), 10, message="the ghost's share never moved")
     wait_status(client, late[0], TaskStatus.DONE)
     # Run by the beat that took the bucket, not by the overdue check after it.

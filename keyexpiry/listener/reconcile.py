@@ -123,8 +123,8 @@ class Reconciler:
             mine=mine,
         )
 
-    def _arm(self, items: Sequence[tuple[str, int]], now_ms: int) -> None:
-        arm_keys(self.redis, items, now_ms, self.settings)
+    def _arm(self, items: Sequence[tuple[str, int]], now_ms: int, *, missing: bool = False) -> None:
+        arm_keys(self.redis, items, now_ms, self.settings, missing=missing)
 
     def run(
         self, *, dry_run: bool = False, progress: Callable[[int, int], None] | None = None
@@ -385,7 +385,7 @@ class Reconciler:
         # back to its old due by the FLUSHALL's walk, run 12 s late by the overdue check).
         lost = [(r.key, r.due_at_ms) for r in to_arm if r.key in missing]
         wrong = [(r.key, r.due_at_ms) for r in to_arm if r.key not in missing]
-        arm_keys(self.redis, lost, now_ms, self.settings, missing=True)
+        self._arm(lost, now_ms, missing=True)
         self._arm(wrong, now_ms)
         if wrong:
             # A key found with the wrong expiry is overwritten: one whose row changed since the

@@ -231,7 +231,7 @@ class ClusterNodes:
         self._known: list[str] = [f"{h}:{p}" for h, p in parsed.addresses]
         self.last: Topology | None = None
         self._read_from: str | None = None
-        """The node the topology was last read from (asked first next time)."""
+        """The node that last answered CLUSTER SLOTS (read from every refresh while it does)."""
         self._unanswered: set[str] = set()
         """Nodes whose last CLUSTER SLOTS failed (timed out, refused): asked last."""
 
