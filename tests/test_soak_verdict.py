@@ -567,6 +567,37 @@ def test_lateness_inside_and_outside_fault_windows(rec: Recorder) -> None:
     assert lateness["inside_by_fault"]["kill9"]["max"] == 500
 
 
+def test_tail_targets_name_each_kind_of_faults_worst_instance(rec: Recorder) -> None:
+    for n in range(200):  # outside: 10 ms late, but for one 1.2 s late (the max bound is 1 s)
+        rec.create(n, due_s=100 + n * 0.1)
+        rec.run(n, 100 + n * 0.1 + (1.2 if n == 7 else 0.01), 200.0)
+    # Two stalls of 10 s: the first's latest start 12 s late (within 10 s + 10 s), the
+    # second's 21 s (1 s past the bound): the kind is judged by its worst instance.
+    rec.fault("stall", 300, 310)
+    rec.create(1000, due_s=301)
+    rec.run(1000, 313.0, 313.1)
+    rec.fault("stall", 400, 410)
+    rec.create(1001, due_s=401)
+    rec.run(1001, 422.0, 422.1)
+    rec.fault("flushall", 500, 500.2)
+    for n in range(2000, 2010):
+        rec.create(n, due_s=500.1)
+        rec.run(n, 500.6, 500.7)
+    tails = {t["target"]: t for t in judge(rec)["tails"]}
+    assert {name: t["met"] for name, t in tails.items()} == {
+        "outside faults p99": True,
+        "outside faults max": False,
+        "flushall p99": True,
+        "stall p99": False,
+        "flushall max past its length": True,
+        "stall max past its length": False,
+    }
+    assert tails["outside faults max"]["ms"] == 1200
+    assert tails["stall max past its length"]["ms"] == 21_000 - 10_000
+    assert tails["flushall p99"]["ms"] == 500
+    assert judge(rec)["lateness"]["worst_by_fault"]["stall"]["start_ms"] == ms(400)
+
+
 # --- growth --------------------------------------------------------------------------------
 
 

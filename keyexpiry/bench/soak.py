@@ -946,6 +946,15 @@ def _pct(p: dict[str, Any]) -> str:
     return f"p50 {p['p50']} / p99 {p['p99']} / max {p['max']} ms of {p['count']}"
 
 
+def _tails_line(tails: list[dict[str, Any]]) -> str:
+    """Issue 42's tail targets in a line: how many were met, and the others with their figure."""
+    missed = [
+        f"{t['target']} {t['ms']:,} ms (bound {t['bound_ms']:,})" for t in tails if not t["met"]
+    ]
+    head = f"{len(tails) - len(missed)} of {len(tails)} met"
+    return head + (f"; not met: {', '.join(missed)}" if missed else "")
+
+
 def summary(report: dict[str, Any]) -> str:
     """The verdict in a few lines for the terminal (soak.json holds all of it)."""
     v = report["verdict"]
@@ -958,6 +967,7 @@ def summary(report: dict[str, Any]) -> str:
         f"  lateness inside faults:  {_pct(late['inside'])}",
     ]
     lines += [f"    {k:<16} {_pct(p)}" for k, p in late["inside_by_fault"].items()]
+    lines.append(f"  tail targets: {_tails_line(v.get('tails', []))}")
     for f in v["faults"]:
         lines.append(
             f"  fault {f['fault']:<16} {(f['end_ms'] - f['start_ms']) / 1000:5.1f} s  {f['detail']}"
@@ -1062,6 +1072,19 @@ def markdown(report: dict[str, Any], images: str) -> str:
         _row("inside faults", late["inside"]),
     ]
     lines += [_row(f"inside {k}", p) for k, p in late["inside_by_fault"].items()]
+    if v.get("tails"):
+        lines += [
+            "",
+            "Issue 42's tail targets (a fault's *max past its length*: its worst instance's "
+            "latest first start, less the fault's own length):",
+            "",
+            "| target | ms | bound (ms) | met |",
+            "|---|---:|---:|---|",
+        ]
+        lines += [
+            f"| {t['target']} | {t['ms']:,} | {t['bound_ms']:,} | {'yes' if t['met'] else 'no'} |"
+            for t in v["tails"]
+        ]
     lines += [
         "",
         "| at (min) | fault | lasted (s) | what happened |",

@@ -217,21 +217,26 @@ class FaultWindows:
     def __init__(self, faults: list[Fault], settle_s: float) -> None:
         """Index `faults`, each window extended by `settle_s` after the fault's end."""
         settle_ms = int(settle_s * 1000)
-        spans = sorted((f.start_ms, f.end_ms + settle_ms, f.kind) for f in faults)
+        spans = sorted((f.start_ms, f.end_ms + settle_ms, i) for i, f in enumerate(faults))
+        self.faults = faults
         self._starts = [s for s, _, _ in spans]
         self._spans = spans
         self._longest_ms = max((e - s for s, e, _ in spans), default=0)
 
-    def kinds_at(self, t_ms: int, until_ms: int | None = None) -> set[str]:
-        """The kinds of fault whose window meets [`t_ms`, `until_ms`] (default: the instant
-        `t_ms`); empty: outside every window."""
+    def at(self, t_ms: int, until_ms: int | None = None) -> list[int]:
+        """The positions in `faults` of the faults whose window meets [`t_ms`, `until_ms`]
+        (default: the instant `t_ms`); empty: outside every window."""
         until_ms = t_ms if until_ms is None else until_ms
-        kinds: set[str] = set()
+        found: list[int] = []
         idx = bisect.bisect_right(self._starts, until_ms) - 1
         # Windows starting earlier than the longest one's length cannot reach t_ms.
         while idx >= 0 and self._starts[idx] >= t_ms - self._longest_ms:
-            start_ms, end_ms, kind = self._spans[idx]
+            start_ms, end_ms, i = self._spans[idx]
             if start_ms <= until_ms and t_ms <= end_ms:
-                kinds.add(kind)
+                found.append(i)
             idx -= 1
-        return kinds
+        return found
+
+    def kinds_at(self, t_ms: int, until_ms: int | None = None) -> set[str]:
+        """The kinds of fault whose window meets [`t_ms`, `until_ms`] (see `at`)."""
+        return {self.faults[i].kind for i in self.at(t_ms, until_ms)}

@@ -58,6 +58,14 @@ END_WINDOW_S = 60.0
 """A listener's counts are judged by their floor over a minute (`floor_check`): the issue's
 "back to their level within a minute after each fault"."""
 FINISHED_STATUSES = ("done", "dead", "cancelled")
+OUTSIDE_P99_MS = 15
+OUTSIDE_MAX_MS = 1000
+"""Issue 42's bounds on lateness outside fault windows (500 tasks/s, three listeners)."""
+P99_BOUND_FAULTS = ("flushall", "stall")
+FAULT_P99_MS = 3000
+"""Issue 42's bound on the p99 of the faults in `P99_BOUND_FAULTS`."""
+FAULT_MAX_OVER_MS = 10_000
+"""Issue 42's bound on any fault's max lateness past the fault's own length."""
 LEDGER_BOUND_SLACK = 1.25
 
 FATES = (
@@ -453,19 +461,75 @@ def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]
     outside: list[int] = []
     inside: list[int] = []
     by_kind: dict[str, list[int]] = defaultdict(list)
+    worst: dict[int, int] = {}
+    """Per fault (position in `history.faults`), the latest first start its window met."""
+    faults = history.faults
     for due_ms, late_ms in lateness_points(history):
         # Inside when the task waited through a fault: due in its window, or due before it
         # and still waiting when it struck (claimed by a listener then killed, say).
-        kinds = windows.kinds_at(due_ms, due_ms + max(0, late_ms))
-        (inside if kinds else outside).append(late_ms)
-        for kind in kinds:
+        hit = windows.at(due_ms, due_ms + max(0, late_ms))
+        if not hit:
+            outside.append(late_ms)
+            continue
+        inside.append(late_ms)
+        for kind in {faults[i].kind for i in hit}:
             by_kind[kind].append(late_ms)
+        for i in hit:
+            if late_ms > worst.get(i, -1):
+                worst[i] = late_ms
     return {
         "unit": "ms",
         "outside": percentiles(outside),
         "inside": percentiles(inside),
         "inside_by_fault": {k: percentiles(v) for k, v in sorted(by_kind.items())},
+        "worst_by_fault": _worst_by_kind(faults, worst),
     }
+
+
+def _worst_by_kind(faults: list[Fault], worst: dict[int, int]) -> dict[str, dict[str, int]]:
+    """Per kind of fault, the instance whose latest start ran furthest past the fault's own
+    length (issue 42's bound: a fault's max within its length + `FAULT_MAX_OVER_MS`)."""
+    out: dict[str, dict[str, int]] = {}
+    for i, max_ms in worst.items():
+        f = faults[i]
+        length_ms = f.end_ms - f.start_ms
+        entry = {
+            "start_ms": f.start_ms,
+            "length_ms": length_ms,
+            "max_ms": max_ms,
+            "over_length_ms": max_ms - length_ms,
+        }
+        best = out.get(f.kind)
+        if best is None or entry["over_length_ms"] > best["over_length_ms"]:
+            out[f.kind] = entry
+    return dict(sorted(out.items()))
+
+
+def _tails_section(lateness: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 42's tail targets, each with its figure and whether it was met. Reported beside
+    the verdict, not in it: the verdict judges the promises (fates, growth), these how late."""
+    targets: list[dict[str, Any]] = []
+
+    def target(name: str, figure: int | float | None, bound_ms: int) -> None:
+        if figure is not None:
+            targets.append(
+                {"target": name, "ms": figure, "bound_ms": bound_ms, "met": figure <= bound_ms}
+            )
+
+    outside = lateness["outside"]
+    target("outside faults p99", outside.get("p99"), OUTSIDE_P99_MS)
+    target("outside faults max", outside.get("max"), OUTSIDE_MAX_MS)
+    for kind in P99_BOUND_FAULTS:
+        p = lateness["inside_by_fault"].get(kind)
+        if p is not None:
+            target(f"{kind} p99", p.get("p99"), FAULT_P99_MS)
+    for kind, w in lateness["worst_by_fault"].items():
+        target(
+            f"{kind} max past its length",
+            w["over_length_ms"],
+            FAULT_MAX_OVER_MS,
+        )
+    return targets
 
 
 # --- growth --------------------------------------------------------------------------------
@@ -829,7 +893,8 @@ def verdict_of(history: History, params: dict[str, Any]) -> dict[str, Any]:
         ],
         **_fates_section(history, ctx, int(params.get("examples", EXAMPLES))),
         "cancel_tag_overruns": _tag_overruns(history),
-        "lateness": _lateness_section(history, windows),
+        "lateness": (lateness := _lateness_section(history, windows)),
+        "tails": _tails_section(lateness),
         "growth": {
             "listeners": _listener_growth(history, params),
             "servers": _server_growth(history, params),
@@ -854,7 +919,8 @@ def verdict(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
 
     Keys: passed, failures (one line each), fates (count and examples with their history per
     fate), early, vanished_then_retried (a warning: a run without end on a process no kill -9
-    hit, run again), cancel_tag_overruns, lateness, growth, ledger_bound, throughput, faults,
+    hit, run again), cancel_tag_overruns, lateness (with each kind of fault's worst instance),
+    tails (issue 42's lateness targets, each met or not), growth, ledger_bound, throughput, faults,
     anomalies (lines that could not be read or joined).
     """
     return verdict_of(load(run_dir), params)
