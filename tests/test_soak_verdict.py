@@ -501,6 +501,29 @@ def test_dead_tasks(rec: Recorder) -> None:
     assert not report["passed"]
 
 
+def test_a_dead_task_whose_last_attempt_was_lost_with_a_frozen_listener_is_documented(
+    rec: Recorder,
+) -> None:
+    # The Sentinel hour: the third attempt claimed just before its listener was frozen 20 s;
+    # the takeover counted it, and the task died after two runs.
+    rec.create(1, due_s=10, kind="dead")
+    rec.run(1, 10.0, 10.1, "fail")
+    rec.run(1, 10.6, 10.7, "fail", attempt=2)
+    rec.fault("sigstop", 11.7, 31.7, pids=(PID_B,))
+    # The same shape with the fault long after the last run: nothing explains the lost attempt.
+    rec.create(2, due_s=100, kind="dead")
+    rec.run(2, 100.0, 100.1, "fail")
+    rec.run(2, 100.6, 100.7, "fail", attempt=2)
+    rec.fault("kill9", 130, 131, pids=(PID_C,))
+    # Two runs short: one lost claim explains one attempt, not two.
+    rec.create(3, due_s=200, kind="dead")
+    rec.run(3, 200.0, 200.1, "fail")
+    rec.fault("sigstop", 201, 221, pids=(PID_B,))
+    report = judge(rec)
+    assert fate_ids(report, "dead_attempt_lost") == [1]
+    assert fate_ids(report, "dead_short") == [2, 3]
+
+
 # --- due times: reschedules, early starts, lateness ----------------------------------------
 
 

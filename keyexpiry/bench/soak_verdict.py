@@ -1,7 +1,8 @@
 """`bench --scenario soak`: the verdict, computed from the history the soak runner recorded
 (read back by `soak_history.load()`). It judges
 
-- each task's fate from its history alone: ran once, dead by design, cancelled, ran twice in a
+- each task's fate from its history alone: ran once, dead by design (or one run short, its last
+  attempt lost with a killed or frozen listener), cancelled, ran twice in a
   window `docs/GUARANTEES.md` documents ("Where a task may run twice", window 1: a killed or
   frozen handler) or not, ran after a cancel, lost; and whether any run started early; with
   asynchronous replication (`params["lost_commit_faults"]`), what a change committed just
@@ -47,6 +48,10 @@ GUARANTEES also puts in window 1)."""
 SPAN_FAULTS = frozenset({"net_partition_ledger"})
 """Window-1 faults that last: a run of the listener they hit that started while they lasted is
 covered too (see `_documenting_fault`)."""
+LOST_ATTEMPT_SLACK_MS = 10_000
+"""How long after a dead task's previous run (or its due) a window-1 fault may strike and still
+have taken the claim of its next attempt: the soak's retry delays (at most 1 s) and a claim's
+wait in its listener's queue."""
 LOST_COMMIT_SLACK_MS = 500
 """After a lost-commit fault's start stamp, how long the primary may still have answered (the
 fault finds the primary, then kills it)."""
@@ -74,6 +79,7 @@ FATES = (
     "ran_twice_undocumented",
     "ran_after_cancel",
     "dead_by_design",
+    "dead_attempt_lost",
     "dead_short",
     "dead_ran_ok",
     "cancelled",
@@ -242,12 +248,32 @@ def _dead_fate(task: Task, ctx: _Context) -> Fate:
         return Fate("dead_ran_ok")
     if len(task.runs) >= ctx.max_attempts:
         return Fate("dead_by_design")
+    if _last_attempt_lost(task, ctx):
+        return Fate("dead_attempt_lost")
     if _cancelled_untouched(task):
         return Fate("cancelled")
     if _is_unfinished(task, ctx):
         return Fate("unfinished")
     kind = ctx.undone_by(task.created_ms) if not task.runs else None
     return Fate("dead_short") if kind is None else Fate("lost_with_commit", (kind,))
+
+
+def _last_attempt_lost(task: Task, ctx: _Context) -> bool:
+    """A task one run short of its attempts whose last attempt a window-1 fault may have taken
+    with the listener that had claimed it: a takeover counts a lost claim as an attempt,
+    whether or not its handler began (GUARANTEES, "Where a task may run twice", window 1;
+    `max_attempts` bounds how often a handler may have run). Found by the Sentinel hour: a
+    third attempt claimed 3 ms before its listener was frozen 20 s, taken over, and the task
+    dead after two runs. The fault must strike after the previous run ended (or the task fell
+    due) and within `LOST_ATTEMPT_SLACK_MS`: the claim came then."""
+    if len(task.runs) != ctx.max_attempts - 1:
+        return False
+    prev_ms = max((r.end_ms or r.start_ms for r in task.runs), default=task.final_due_ms)
+    return any(
+        prev_ms < start_ms <= prev_ms + LOST_ATTEMPT_SLACK_MS
+        for hits in ctx.window1_hits.values()
+        for start_ms, _end_ms, _kind in hits
+    )
 
 
 def _ran_fate(task: Task, ctx: _Context) -> Fate:
