@@ -245,6 +245,15 @@ def _sent_statements(
         return made
 
     store._claim_texts = claim_texts  # type: ignore[method-assign,assignment]
+    # PostgreSQL's claim goes to psycopg's own cursor (`ClaimQueries._claim_returning`): no
+    # cursor event either; seen as it is sent.
+    named_rows = store._autocommitted_named_rows
+
+    def autocommitted_named_rows(sql: str, params: Any) -> Any:
+        capture(None, None, sql, params, None, False)
+        return named_rows(sql, params)
+
+    store._autocommitted_named_rows = autocommitted_named_rows  # type: ignore[method-assign]
     try:
         for name, read in (_reads(store) if reads is None else reads).items():
             sent.clear()

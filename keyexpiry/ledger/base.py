@@ -346,6 +346,19 @@ class Ledger:
 
         return self._on_raw_autocommit(run)
 
+    def _autocommitted_named_rows(
+        self, sql: str, params: Mapping[str, Any]
+    ) -> tuple[tuple[str, ...], list[Any]]:
+        """`sql` with `params` run as `_autocommitted` runs a statement; returns its column
+        names and its rows (the driver's tuples)."""
+
+        def run(cursor: Any, _dialect: Dialect, _driver: Any) -> tuple[tuple[str, ...], list[Any]]:
+            cursor.execute(sql, params)
+            names = tuple(d[0] for d in cursor.description)
+            return names, list(cursor.fetchall())
+
+        return self._on_raw_autocommit(run)
+
     def _on_raw_autocommit(self, run: Callable[[Any, Dialect, Any], R]) -> R:
         engine = self._autocommit
         assert engine is not None

@@ -336,10 +336,24 @@ class ClaimQueries(Ledger):
     def _claim_returning(
         self, keys: Sequence[str], now_ms: int, lease_until_ms: int, token: str
     ) -> list[TaskRow]:
-        values = {"keys": list(keys), "now": now_ms, "token": token, "lease": lease_until_ms}
-        with self._statements() as conn:
-            # By id: a key given twice is one run.
-            found = {row.id: row for row in self._prepare(_claim_returning).run(conn, values)}
+        """PostgreSQL's claim on the driver's own cursor (`_autocommitted_rows`), its rows read
+        as named tuples, as the MariaDB claim's are: through SQLAlchemy, each row was a `Row`
+        whose every column read by name (the claimed row's conversion reads 16) cost several
+        times a tuple's, and its `CursorResult` a fixed cost per claim besides. Profiled in the
+        30k wave (py-spy `--gil`, one listener): the conversion of PostgreSQL's claimed rows
+        took 790 samples against MariaDB's 270 for the same 30,000 rows."""
+        prepared = self._prepare(_claim_returning)
+        values = {
+            **prepared.constants,
+            "keys": list(keys),
+            "now": now_ms,
+            "token": token,
+            "lease": lease_until_ms,
+        }
+        names, rows = self._autocommitted_named_rows(prepared.sql, values)
+        make = _row_type(names)._make
+        # By id: a key given twice is one run.
+        found = {row.id: row for row in map(make, rows)}
         prefix = self.key_prefix
         return [
             claimed_row_from_db(
