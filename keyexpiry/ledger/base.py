@@ -339,12 +339,7 @@ class Ledger:
 
     def _autocommitted_rows(self, sql: str, params: Mapping[str, Any]) -> list[Any]:
         """`sql` with `params` run as `_autocommitted` runs a statement; returns its rows."""
-
-        def run(cursor: Any, _dialect: Dialect, _driver: Any) -> list[Any]:
-            cursor.execute(sql, params)
-            return list(cursor.fetchall())
-
-        return self._on_raw_autocommit(run)
+        return self._autocommitted_named_rows(sql, params)[1]
 
     def _autocommitted_named_rows(
         self, sql: str, params: Mapping[str, Any]
