@@ -501,7 +501,7 @@ def test_dead_tasks(rec: Recorder) -> None:
     assert not report["passed"]
 
 
-def test_a_dead_task_whose_last_attempt_was_lost_with_a_frozen_listener_is_documented(
+def test_a_dead_task_whose_attempt_was_lost_with_a_frozen_listener_is_documented(
     rec: Recorder,
 ) -> None:
     # The Sentinel hour: the third attempt claimed just before its listener was frozen 20 s;
@@ -519,9 +519,19 @@ def test_a_dead_task_whose_last_attempt_was_lost_with_a_frozen_listener_is_docum
     rec.create(3, due_s=200, kind="dead")
     rec.run(3, 200.0, 200.1, "fail")
     rec.fault("sigstop", 201, 221, pids=(PID_B,))
+    # The Cluster hour: the second attempt claimed 4 ms before its listener was frozen; the
+    # takeover counted it and ran the third, which failed: attempts 1 and 3, dead.
+    rec.create(4, due_s=300, kind="dead")
+    rec.run(4, 300.0, 300.1, "fail")
+    rec.fault("sigstop", 300.6, 320.6, pids=(PID_B,))
+    rec.run(4, 305.8, 305.9, "fail", attempt=3)
+    # Attempts 1 and 3 with no fault after the first: unexplained.
+    rec.create(5, due_s=400, kind="dead")
+    rec.run(5, 400.0, 400.1, "fail")
+    rec.run(5, 430.0, 430.1, "fail", attempt=3)
     report = judge(rec)
-    assert fate_ids(report, "dead_attempt_lost") == [1]
-    assert fate_ids(report, "dead_short") == [2, 3]
+    assert fate_ids(report, "dead_attempt_lost") == [1, 4]
+    assert fate_ids(report, "dead_short") == [2, 3, 5]
 
 
 # --- due times: reschedules, early starts, lateness ----------------------------------------

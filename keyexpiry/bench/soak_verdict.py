@@ -1,7 +1,7 @@
 """`bench --scenario soak`: the verdict, computed from the history the soak runner recorded
 (read back by `soak_history.load()`). It judges
 
-- each task's fate from its history alone: ran once, dead by design (or one run short, its last
+- each task's fate from its history alone: ran once, dead by design (or one run short, an
   attempt lost with a killed or frozen listener), cancelled, ran twice in a
   window `docs/GUARANTEES.md` documents ("Where a task may run twice", window 1: a killed or
   frozen handler) or not, ran after a cancel, lost; and whether any run started early; with
@@ -248,7 +248,7 @@ def _dead_fate(task: Task, ctx: _Context) -> Fate:
         return Fate("dead_ran_ok")
     if len(task.runs) >= ctx.max_attempts:
         return Fate("dead_by_design")
-    if _last_attempt_lost(task, ctx):
+    if _an_attempt_lost(task, ctx):
         return Fate("dead_attempt_lost")
     if _cancelled_untouched(task):
         return Fate("cancelled")
@@ -258,17 +258,23 @@ def _dead_fate(task: Task, ctx: _Context) -> Fate:
     return Fate("dead_short") if kind is None else Fate("lost_with_commit", (kind,))
 
 
-def _last_attempt_lost(task: Task, ctx: _Context) -> bool:
-    """A task one run short of its attempts whose last attempt a window-1 fault may have taken
-    with the listener that had claimed it: a takeover counts a lost claim as an attempt,
+def _an_attempt_lost(task: Task, ctx: _Context) -> bool:
+    """A task one run short of its attempts whose missing attempt a window-1 fault may have
+    taken with the listener that had claimed it: a takeover counts a lost claim as an attempt,
     whether or not its handler began (GUARANTEES, "Where a task may run twice", window 1;
-    `max_attempts` bounds how often a handler may have run). Found by the Sentinel hour: a
-    third attempt claimed 3 ms before its listener was frozen 20 s, taken over, and the task
-    dead after two runs. The fault must strike after the previous run ended (or the task fell
-    due) and within `LOST_ATTEMPT_SLACK_MS`: the claim came then."""
+    `max_attempts` bounds how often a handler may have run). Found by the Sentinel hour (the
+    third attempt claimed 3 ms before its listener was frozen 20 s: dead after two runs) and
+    the Cluster hour (the second, 4 ms before: the takeover ran the third, which died). The
+    fault must strike after the run before the missing attempt ended (or the task fell due)
+    and within `LOST_ATTEMPT_SLACK_MS`: the claim came then."""
     if len(task.runs) != ctx.max_attempts - 1:
         return False
-    prev_ms = max((r.end_ms or r.start_ms for r in task.runs), default=task.final_due_ms)
+    seen = {r.attempt for r in task.runs}
+    missing = [a for a in range(1, ctx.max_attempts + 1) if a not in seen]
+    if len(missing) != 1:
+        return False  # attempts run twice, or numbered past max_attempts: not this case
+    before = [r for r in task.runs if r.attempt < missing[0]]
+    prev_ms = max((r.end_ms or r.start_ms for r in before), default=task.final_due_ms)
     return any(
         prev_ms < start_ms <= prev_ms + LOST_ATTEMPT_SLACK_MS
         for hits in ctx.window1_hits.values()
