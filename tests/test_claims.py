@@ -34,6 +34,15 @@ def updates(store: Store) -> list[str]:
 
     for engine in {store.engine, store._autocommit or store.engine}:
         event.listen(engine, "before_cursor_execute", capture)
+    # PostgreSQL's successes go to psycopg's cursor straight (no cursor event): seen as sent.
+    each = store._autocommitted_each
+
+    def autocommitted_each(sql: str, params_list: Any) -> int:
+        for _ in params_list:
+            capture(None, None, sql, None, None, False)
+        return each(sql, params_list)
+
+    store._autocommitted_each = autocommitted_each  # type: ignore[method-assign]
     return sent
 
 

@@ -254,6 +254,15 @@ def _sent_statements(
         return named_rows(sql, params)
 
     store._autocommitted_named_rows = autocommitted_named_rows  # type: ignore[method-assign]
+    # So are its outcomes' successes (`OutcomeQueries._record_plain_raw`).
+    each = store._autocommitted_each
+
+    def autocommitted_each(sql: str, params_list: Any) -> int:
+        for params in params_list:
+            capture(None, None, sql, params, None, False)
+        return each(sql, params_list)
+
+    store._autocommitted_each = autocommitted_each  # type: ignore[method-assign]
     try:
         for name, read in (_reads(store) if reads is None else reads).items():
             sent.clear()

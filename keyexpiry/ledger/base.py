@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -351,6 +351,19 @@ class Ledger:
             cursor.execute(sql, params)
             names = tuple(d[0] for d in cursor.description)
             return names, list(cursor.fetchall())
+
+        return self._on_raw_autocommit(run)
+
+    def _autocommitted_each(self, sql: str, params_list: Sequence[Mapping[str, Any]]) -> int:
+        """`sql` run once with each of `params_list`, as `_autocommitted` runs a statement, on
+        one checkout; returns the rows they changed, summed."""
+
+        def run(cursor: Any, _dialect: Dialect, _driver: Any) -> int:
+            count = 0
+            for params in params_list:
+                cursor.execute(sql, params)
+                count += int(cursor.rowcount)
+            return count
 
         return self._on_raw_autocommit(run)
 

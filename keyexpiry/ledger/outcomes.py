@@ -170,7 +170,17 @@ class OutcomeQueries(Ledger):
                 others.append(o)
         if not done and not others and not advancing:
             return 0
-        count = 0
+        plain = [o for o in done if o.result is None]
+        if self.postgres and not advancing and self._autocommit is not None:
+            # The bulk of a batch, successes without a value, as the claim runs its statement:
+            # on psycopg's held cursor, without a SQLAlchemy connection and result around it.
+            count = self._record_plain_raw(plain, now_ms)
+            done = [o for o in done if o.result is not None]
+            if not done and not others:
+                return count
+            plain = []
+        else:
+            count = 0
         # Without a schedule to advance, every statement stands alone (each is guarded by its
         # claim's token, so one applied before a lost connection finds nothing the second
         # time): autocommitted, a batch costs its statements' round trips only, not a BEGIN
@@ -180,7 +190,6 @@ class OutcomeQueries(Ledger):
             # Successes, the bulk of any batch: one statement for all of them, whatever claims
             # they came from (those that returned a value in statements of their own, as few
             # as their size allows).
-            plain = [o for o in done if o.result is None]
             valued = [o for o in done if o.result is not None]
             for group in distinct_ids(plain):
                 for part in self._parts(group):
@@ -269,6 +278,23 @@ class OutcomeQueries(Ledger):
                 )
             )
         return int(matched)
+
+    def _record_plain_raw(self, plain: list[Outcome], now_ms: int) -> int:
+        """PostgreSQL: successes that returned no value, one array statement per group of
+        distinct ids, on the raw autocommit path (`Ledger._on_raw_autocommit`)."""
+        if not plain:
+            return 0
+        prepared = self._prepare(record_done_by_arrays, False)
+        groups = [
+            {
+                **prepared.constants,
+                "now": now_ms,
+                "ids": [o.task_id for o in group],
+                "tokens": [o.token for o in group],
+            }
+            for group in distinct_ids(plain)
+        ]
+        return self._autocommitted_each(prepared.sql, groups)
 
     def _parts(self, outcomes: list[Outcome]) -> Iterator[list[Outcome]]:
         """The statements' lists: padded, or on PostgreSQL all of them (one array each)."""
