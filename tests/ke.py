@@ -156,3 +156,16 @@ def wait_status(client: Client, key: str, status: TaskStatus, timeout_s: float =
         message=f"{key} never became {status}: {client.store.get(key)}",
     )
     return found[-1]
+
+
+def see_raw_outcomes(store: Store, seen: Callable[[str, Any], None]) -> None:
+    """Call `seen(statement, params)` for each statement the store sends through
+    `_autocommitted_each` (PostgreSQL's outcomes: straight to psycopg, no cursor event)."""
+    each = store._autocommitted_each
+
+    def autocommitted_each(sql: str, params_list: Any) -> int:
+        for params in params_list:
+            seen(sql, params)
+        return each(sql, params_list)
+
+    store._autocommitted_each = autocommitted_each  # type: ignore[method-assign]

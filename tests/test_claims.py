@@ -15,6 +15,7 @@ from keyexpiry.ledger.batches import MAX_LIST as _MAX_LIST
 from keyexpiry.ledger.batches import list_size as _size
 from keyexpiry.ledger.batches import padded_lists as _lists
 from keyexpiry.ledger.store import NewTask, Outcome, Store, T, TaskStatus
+from tests.ke import see_raw_outcomes
 
 NOW = 1_700_000_000_000
 
@@ -34,15 +35,7 @@ def updates(store: Store) -> list[str]:
 
     for engine in {store.engine, store._autocommit or store.engine}:
         event.listen(engine, "before_cursor_execute", capture)
-    # PostgreSQL's successes go to psycopg's cursor straight (no cursor event): seen as sent.
-    each = store._autocommitted_each
-
-    def autocommitted_each(sql: str, params_list: Any) -> int:
-        for _ in params_list:
-            capture(None, None, sql, None, None, False)
-        return each(sql, params_list)
-
-    store._autocommitted_each = autocommitted_each  # type: ignore[method-assign]
+    see_raw_outcomes(store, lambda sql, params: capture(None, None, sql, params, None, False))
     return sent
 
 

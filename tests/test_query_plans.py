@@ -18,6 +18,7 @@ from keyexpiry.bench.ledger import QUERIES
 from keyexpiry.ledger.rows import TaskStatus
 from keyexpiry.ledger.store import Outcome, Store, T, make_engine
 from keyexpiry.ledger.table import index_on
+from tests.ke import see_raw_outcomes
 
 NOW = 1_900_000_000_000
 DAY = 86_400_000
@@ -255,14 +256,7 @@ def _sent_statements(
 
     store._autocommitted_named_rows = autocommitted_named_rows  # type: ignore[method-assign]
     # So are its outcomes' successes (`OutcomeQueries._record_plain_raw`).
-    each = store._autocommitted_each
-
-    def autocommitted_each(sql: str, params_list: Any) -> int:
-        for params in params_list:
-            capture(None, None, sql, params, None, False)
-        return each(sql, params_list)
-
-    store._autocommitted_each = autocommitted_each  # type: ignore[method-assign]
+    see_raw_outcomes(store, lambda sql, params: capture(None, None, sql, params, None, False))
     try:
         for name, read in (_reads(store) if reads is None else reads).items():
             sent.clear()
