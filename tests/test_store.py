@@ -705,7 +705,9 @@ def test_on_postgres_disposing_the_engine_closes_the_autocommit_pool_too(pg_url:
     admin.dispose()
 
 
-def test_on_postgres_a_create_and_a_claim_on_dropped_connections_are_retried(pg_url: str) -> None:
+def test_on_postgres_a_create_a_claim_and_an_outcome_on_dropped_connections_are_retried(
+    pg_url: str,
+) -> None:
     store = Store(make_engine(pg_url))
     store.create_schema()
     store.upsert_pending([new("A@m@first")], NOW)
@@ -719,6 +721,16 @@ def test_on_postgres_a_create_and_a_claim_on_dropped_connections_are_retried(pg_
     store.upsert_pending([new("A@m@after")], NOW)  # dead connection found, retried on a new one
     (row,) = store.claim(["A@m@after"], now_ms=NOW, lease_until_ms=NOW + 9, token="t")
     assert row.status is TaskStatus.RUNNING
+    # The outcome's statement goes to psycopg's held cursor: its dead connection is found and
+    # dropped, and the record retried on a new one.
+    pids = _pg_sessions(admin)
+    with admin.connect() as conn:
+        for pid in pids:
+            conn.exec_driver_sql(f"SELECT pg_terminate_backend({pid})")
+    done = Outcome(row.id, row.key, "t", TaskStatus.DONE, NOW + 5, row.due_at_ms, None)
+    assert store.record([done], NOW + 5) == 1
+    after = store.get("A@m@after")
+    assert after is not None and after.status is TaskStatus.DONE
     admin.dispose()
     store.engine.dispose()
 
