@@ -41,7 +41,7 @@ from keyexpiry.bench.servers.pool import DatabasePool
 from keyexpiry.bench.servers.sentinel import SentinelGroup
 
 # keyexpiry-level fixtures (settings, client, start_listener) live in tests/ke.py.
-pytest_plugins = ["tests.ke", "tests.reliability", "tests.slots"]
+pytest_plugins = ["tests.ke", "tests.reliability", "tests.slots", "tests.timeline"]
 
 # No time limit per example: tests assert behaviour, the benchmark measures time (a loaded CI
 # machine can exceed Hypothesis's 200 ms default). The loaded profile (Hypothesis's own "ci" one

@@ -16,6 +16,7 @@ starts its clock: time spent waiting for a slot is not the test's.
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import os
 import tempfile
 import time
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+SLOT_WAIT_S = pytest.StashKey[float]()
+"""How long a test waited for its slot (read by tests/timeline.py)."""
 SLOTS = int(os.environ.get("KEYEXPIRY_TEST_FAULT_SLOTS", "2"))
 """Fault scenarios that may run at once (0: no limit)."""
 
@@ -56,13 +59,51 @@ def _take(directory: Path) -> int:
         time.sleep(0.05)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse, with a message, the one pairing known not to group (`_check_grouped` catches
+    others on the workers, where pytest-xdist only says INTERNALERROR)."""
+    if getattr(config, "workerinput", None) is not None or config.getvalue("dist") != "loadgroup":
+        return
+    xdist = importlib.metadata.version("pytest-xdist")
+    if _release(pytest.__version__) >= (9, 2) and _release(xdist) <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {xdist} does not group tests "
+            "(--dist loadgroup spreads the heavy ones over every worker; "
+            "pytest-dev/pytest-xdist#1386): pip install -e '.[test]' installs a pytest below 9.2"
+        )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string ("9.2.0.dev1" -> (9, 2))."""
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+
+
+def _check_grouped(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With `--dist loadgroup`, pytest-xdist marks a grouped test's node id (`…@heavy`) for the
+    scheduler to keep the group on one worker. When that mark does not take (pytest 9.2 with
+    pytest-xdist 3.8, pytest-dev/pytest-xdist#1386), the heavy tests run beside each other on
+    every worker and the suite's timing bounds and length suffer unseen: refuse the run."""
+    if not config.getvalue("loadgroup"):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:
+            raise pytest.UsageError(
+                f"pytest-xdist did not group {item.nodeid} (pytest {pytest.__version__}): "
+                "--dist loadgroup would spread the heavy tests over every worker; "
+                "install the pytest pyproject.toml names (pip install -e '.[test]')"
+            )
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Spread the slot takers evenly through the run: xdist hands each worker its first tests
     round-robin in this order, and a worker waiting for a slot runs nothing else meanwhile, so
     a run that began with every fault scenario in a row (tests/faults sorts early) kept half
     its workers waiting at the start and left the end to the rest. Each list keeps its order."""
-    if getattr(config, "workerinput", None) is None or SLOTS <= 0:
+    if getattr(config, "workerinput", None) is None:
+        return
+    _check_grouped(config, items)
+    if SLOTS <= 0:
         return
     takers = [i for i in items if _takes_a_slot(i)]
     if not takers or len(takers) == len(items):
@@ -85,7 +126,9 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     if directory is None:
         yield
         return
+    asked_s = time.monotonic()
     fd = _take(directory)
+    item.stash[SLOT_WAIT_S] = time.monotonic() - asked_s
     try:
         yield
     finally:

@@ -168,6 +168,13 @@ def servers(with_mariadb: bool = True, with_postgres: bool = False) -> Iterator[
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _thread_name(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
 def settings_for(redis_url: str, db_url: str, **overrides: Any) -> Settings:
     """Benchmark settings: the defaults, no sentinels (a run is shorter than one interval)."""
     return Settings(redis_url=redis_url, database_url=db_url, sentinel_count=0, **overrides)
@@ -187,6 +194,7 @@ class MeasuredProcess:
     _sampler: threading.Thread | None = field(default=None, init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _cpu_start: float = field(default=0.0, init=False)
+    _threads_start: dict[int, float] = field(default_factory=dict, init=False)
 
     def argv(self) -> list[str]:
         """The command line (after the Python interpreter)."""
@@ -218,6 +226,7 @@ class MeasuredProcess:
     def mark_ready(self) -> None:
         """From now on CPU counts towards the run (start-up is left out)."""
         self._cpu_start = self.cpu_s()
+        self._threads_start = {t.id: t.user_time + t.system_time for t in self._threads()}
 
     def cpu_s(self) -> float:
         """CPU seconds the process used so far."""
@@ -227,6 +236,24 @@ class MeasuredProcess:
     def cpu_since_start(self) -> float:
         """CPU seconds since it was ready."""
         return self.cpu_s() - self._cpu_start
+
+    def _threads(self) -> list[Any]:
+        try:
+            return list(self._ps.threads())
+        except psutil.Error:
+            return []
+
+    def thread_cpu_since_start(self) -> dict[str, float]:
+        """CPU seconds since it was ready by thread name as the OS knows it (`ke-claimer`, …;
+        `main` for the process's first thread; threads of one name summed): where a figure's
+        CPU goes, without a profiler's own cost. Threads that ended meanwhile are not in it."""
+        by_name: dict[str, float] = {}
+        pid = self._ps.pid
+        for t in self._threads():
+            name = "main" if t.id == pid else _thread_name(pid, t.id)
+            spent = t.user_time + t.system_time - self._threads_start.get(t.id, 0.0)
+            by_name[name] = round(by_name.get(name, 0.0) + spent, 3)
+        return dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
 
     def _sample(self) -> None:
         while not self._stop.is_set():

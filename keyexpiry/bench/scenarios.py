@@ -121,6 +121,10 @@ def due_wave(
         # Only the wave's rows: the ledger scenario starts with millions of done rows.
         waited = wait_done(client, n, cap_s=wait_s + span_s + cap_s, key_like=NOOP)
         cpu_s = sum(p.cpu_since_start() for p in procs)
+        thread_cpu: dict[str, float] = {}
+        for p in procs:
+            for name, spent in p.thread_cpu_since_start().items():
+                thread_cpu[name] = round(thread_cpu.get(name, 0.0) + spent, 3)
         figures = lateness_and_rate(client, NOOP, [p.starts_path for p in procs])
         figures.update(
             n=n,
@@ -129,6 +133,7 @@ def due_wave(
             all_fired=figures["fired"] == n,
             waited_s=round(waited, 1),
             listener_cpu_s=round(cpu_s, 2),
+            listener_thread_cpu_s=thread_cpu,
             listener_rss_mb=round(max(p.rss_max_mb for p in procs), 1),
             listeners=listeners,
             max_attempts=_max_attempts(client),
