@@ -62,7 +62,10 @@ def _take(directory: Path) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse, with a message, the one pairing known not to group (`_check_grouped` catches
     others on the workers, where pytest-xdist only says INTERNALERROR)."""
-    if getattr(config, "workerinput", None) is not None or config.getvalue("dist") != "loadgroup":
+    if (
+        getattr(config, "workerinput", None) is not None
+        or config.getoption("dist", default=None) != "loadgroup"
+    ):
         return
     xdist = importlib.metadata.version("pytest-xdist")
     if _release(pytest.__version__) >= (9, 2) and _release(xdist) <= (3, 8):
@@ -83,7 +86,7 @@ def _check_grouped(config: pytest.Config, items: list[pytest.Item]) -> None:
     scheduler to keep the group on one worker. When that mark does not take (pytest 9.2 with
     pytest-xdist 3.8, pytest-dev/pytest-xdist#1386), the heavy tests run beside each other on
     every worker and the suite's timing bounds and length suffer unseen: refuse the run."""
-    if not config.getvalue("loadgroup"):
+    if not config.getoption("loadgroup", default=False):
         return
     for item in items:
         if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:

@@ -664,6 +664,48 @@ def test_growth_during_the_warm_up_does_not_count(rec: Recorder) -> None:
     assert report["growth"]["listeners"][0]["samples"] == 49  # 120 s .. 600 s
 
 
+def _faults_every_minute(rec: Recorder, kinds: tuple[str, ...], until_s: int) -> None:
+    for n, start_s in enumerate(range(60, until_s, 60)):
+        rec.fault(kinds[n % len(kinds)], start_s, start_s + 5)
+
+
+def test_rss_is_judged_once_the_listener_met_every_kind_of_fault(rec: Recorder) -> None:
+    # The Cluster hour's listeners: +3 MB at each kind of fault's first instance, flat after
+    # (kinds at 60, 120, 180 and 240 s; every one met by 245 s + the 10 s settle).
+    _faults_every_minute(rec, ("stall", "reshard", "failover", "sigstop"), 600)
+    _listener_samples(rec, lambda t_s: 75 + 3 * min(4, max(0, t_s - 1) // 60))
+    report = judge(rec)
+    rss = report["growth"]["listeners"][0]["metrics"]["rss_mb"]
+    assert rss["passed"], rss
+    assert rss["judged_from_ms"] == ms(255)
+    assert rss["samples"] == 35  # 260 s .. 600 s
+    assert report["passed"], report["failures"]
+
+
+def test_rss_still_growing_after_every_kind_of_fault_fails(rec: Recorder) -> None:
+    _faults_every_minute(rec, ("stall", "reshard"), 900)
+    _listener_samples(rec, lambda t_s: 75 + t_s / 30, until_s=900)  # +2 MB a minute throughout
+    report = judge(rec)
+    rss = report["growth"]["listeners"][0]["metrics"]["rss_mb"]
+    assert rss["judged_from_ms"] == ms(135)  # the reshard at 120 s, its end and settle
+    assert not rss["passed"]
+    assert any(f"listener pid {PID_A}" in f and "rss_mb" in f for f in report["failures"])
+
+
+def test_only_the_kinds_of_fault_after_its_start_hold_the_rss_back(rec: Recorder) -> None:
+    rec.fault("flushall", 10, 15)  # before the second process started: not waited for
+    rec.fault("stall", 60, 65)
+    rec.fault("reshard", 200, 205)
+    for t_s in range(0, 601, 10):
+        entry = listener(0, PID_A, 0) if t_s < 30 else listener(0, PID_C, 30)
+        rec.sample(t_s, [entry])
+    report = judge(rec)
+    procs = {p["pid"]: p for p in report["growth"]["listeners"]}
+    assert procs[PID_C]["metrics"]["rss_mb"]["judged_from_ms"] == ms(215)
+    assert procs[PID_C]["metrics"]["rss_mb"]["samples"] == 39  # 220 s .. 600 s
+    assert procs[PID_C]["samples"] == 46  # the counts after its own warm-up: 150 s .. 600 s
+
+
 def test_a_restart_is_not_growth(rec: Recorder) -> None:
     # Slot 0's first process is killed at 300 s; its successor warms up from 40 MB to 120 MB
     # and stays there: each incarnation is flat, though the slot's line went up.
