@@ -919,3 +919,54 @@ def test_a_dip_in_a_fault_window_neither_hides_a_leak_nor_makes_one(rec: Recorde
     assert not leak["passed"] and (leak["start"], leak["end"]) == (5, 9), leak
     flat_conns = by_pid[PID_B]["metrics"]["redis_conns"]
     assert flat_conns["passed"] and flat_conns["start"] == 6, flat_conns
+
+
+def _driver_samples(
+    rec: Recorder, conns_of: Callable[[int, bool], int], drives_from_s: int
+) -> None:
+    """PID_A drives from `drives_from_s` on (PID_B before); Redis connections and descriptors
+    by `conns_of(t_s, driving)`, every 10 s for 600 s."""
+    for t_s in range(0, 601, 10):
+        a_drives = t_s >= drives_from_s
+        rec.sample(
+            t_s,
+            [
+                listener(
+                    0, PID_A, 0, redis_conns=conns_of(t_s, a_drives),
+                    fds=17 + conns_of(t_s, a_drives), drives=a_drives,
+                ),
+                listener(1, PID_B, 0, redis_conns=9 + 3 * (not a_drives), drives=not a_drives),
+            ],
+        )  # fmt: skip
+
+
+def test_a_listener_that_took_the_driver_over_is_not_growing(rec: Recorder) -> None:
+    # The Cluster hour: the driving listener holds a connection per primary more (12 against 9);
+    # PID_A took the driver over at 480 s and held it to the end, PID_B drove before.
+    _driver_samples(rec, lambda t_s, driving: 12 if driving else 9, drives_from_s=480)
+    report = judge(rec)
+    by_pid = {p["pid"]: p for p in report["growth"]["listeners"]}
+    for pid in (PID_A, PID_B):
+        for name in ("redis_conns", "fds"):
+            assert by_pid[pid]["metrics"][name]["passed"], (pid, name, by_pid[pid]["metrics"][name])
+    assert by_pid[PID_A]["metrics"]["redis_conns"]["judged"] == "not driving"
+    assert by_pid[PID_B]["metrics"]["redis_conns"]["judged"] == "not driving"  # 480-600 s
+    assert report["passed"], report["failures"]
+
+
+def test_a_connection_leaked_while_driving_stays_after_and_fails(rec: Recorder) -> None:
+    # PID_A drives from 200 s to 300 s and keeps three connections more after it stopped:
+    # they are in the samples judged (not driving).
+    def conns(t_s: int, driving: bool) -> int:
+        return 12 if driving or t_s >= 300 else 9
+
+    for t_s in range(0, 601, 10):
+        a_drives = 200 <= t_s < 300
+        rec.sample(
+            t_s,
+            [listener(0, PID_A, 0, redis_conns=conns(t_s, a_drives), drives=a_drives)],
+        )
+    report = judge(rec)
+    conns_a = report["growth"]["listeners"][0]["metrics"]["redis_conns"]
+    assert conns_a["judged"] == "not driving"
+    assert not conns_a["passed"], conns_a

@@ -63,6 +63,7 @@ from keyexpiry.bench.servers.patroni import PatroniCluster
 from keyexpiry.bench.soak_redis import SENTINEL_FAULTS, soak_redis
 from keyexpiry.bench.soak_tasks import HISTORY_DIR_ENV, Soak, kind
 from keyexpiry.errors import RedisUnavailableError, StoreError
+from keyexpiry.keys import driver_lock_key
 
 FAULTS = SENTINEL_FAULTS
 """The rotation on Sentinel, one fault per slot; FLUSHALL happens once per run, later turns skip
@@ -748,8 +749,19 @@ class SoakRun:
         while not self.stop.wait(self.cfg.sample_every_s):
             self.samples.write(self._sample(fleet, ke))
 
+    def _driver_pid(self, ke: Client) -> int | None:
+        """The pid of the listener holding the driver's lock (its owner is host:pid:nonce); None
+        when no one holds it or Redis does not answer."""
+        try:
+            owner = ke.redis.get(driver_lock_key(ke.settings.key_prefix))
+        except redis.RedisError:
+            return None
+        parts = owner.decode(errors="replace").split(":") if isinstance(owner, bytes) else []
+        return int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
+
     def _sample(self, fleet: Fleet, ke: Client) -> dict[str, Any]:
         redis_ports, ledger_ports = self._ports()
+        driver_pid = self._driver_pid(ke)
         listeners = []
         for slot, pid in fleet.pids():
             try:
@@ -768,6 +780,10 @@ class SoakRun:
                             "ledger_conns": sum(1 for r in remote if r in ledger_ports),
                             "redis_conns": sum(1 for r in remote if r in redis_ports),
                             "cpu_s": round(cpu.user + cpu.system, 2),
+                            # The driving listener keeps a connection per primary more (its
+                            # lookups go to every primary at once): the verdict compares like
+                            # with like.
+                            "drives": None if driver_pid is None else pid == driver_pid,
                         }
                     )
             except (psutil.Error, OSError):
