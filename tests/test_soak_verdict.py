@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from keyexpiry.bench.soak import _growth_rule
 from keyexpiry.bench.soak_plots import plot
 from keyexpiry.bench.soak_verdict import growth_check, verdict
 
@@ -970,3 +971,11 @@ def test_a_connection_leaked_while_driving_stays_after_and_fails(rec: Recorder) 
     conns_a = report["growth"]["listeners"][0]["metrics"]["redis_conns"]
     assert conns_a["judged"] == "not driving"
     assert not conns_a["passed"], conns_a
+
+
+def test_the_report_says_how_rss_and_connections_were_judged(rec: Recorder) -> None:
+    _faults_every_minute(rec, ("stall", "reshard"), 600)
+    _driver_samples(rec, lambda t_s, driving: 12 if driving else 9, drives_from_s=480)
+    rule = _growth_rule(judge(rec))
+    assert "met each kind of fault" in rule
+    assert "one driving state" in rule

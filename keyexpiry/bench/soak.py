@@ -1032,10 +1032,21 @@ def _growth_rule(verdict: dict[str, Any]) -> str:
     )
     if not floors:
         return f"{medians}."
-    return (
+    metrics = [m for g in verdict["growth"]["listeners"] for m in g["metrics"].values()]
+    rule = (
         f"RSS: {medians}; the counts (descriptors, threads, connections): the least sample of "
         "the first minute, the middle minute and the last, outside fault windows."
     )
+    if any("judged_from_ms" in m for m in metrics):
+        rule += (
+            " A listener's RSS from when it had met each kind of fault that came after its start."
+        )
+    if any("judged" in m for m in metrics):
+        rule += (
+            " Redis connections and descriptors on the samples of one driving state (the driving "
+            "listener holds a connection per primary more)."
+        )
+    return rule
 
 
 def _middle(check: dict[str, Any]) -> float | None:
