@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from keyexpiry import threads
-from keyexpiry.bench.harness import MeasuredProcess
+from keyexpiry.bench.harness import MeasuredProcess, median_of
 from keyexpiry.bench.servers.process import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc")
@@ -68,3 +68,16 @@ def test_a_measured_process_tells_its_cpu_by_thread_name() -> None:
         spent = proc.thread_cpu_since_start()
         assert spent["ke-idler"] < 0.1
         assert "main" in spent
+
+
+def test_medians_of_runs_take_cpu_by_thread_name_by_name() -> None:
+    runs = [
+        {"cpu_s": 5.0, "by_thread": {"ke-worker": 3.0, "ke-claimer": 1.0}, "backend": "pg"},
+        {"cpu_s": 4.0, "by_thread": {"ke-worker": 2.0, "ke-driver": 0.2}, "backend": "pg"},
+        {"cpu_s": 6.0, "by_thread": {"ke-worker": 4.0, "ke-claimer": 2.0}, "backend": "pg"},
+    ]
+    got = median_of(runs)
+    assert got["cpu_s"] == 5.0
+    # A thread missing from a run spent nothing there.
+    assert got["by_thread"] == {"ke-worker": 3.0, "ke-claimer": 1.0, "ke-driver": 0.0}
+    assert got["backend"] == "pg"

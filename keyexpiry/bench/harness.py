@@ -49,12 +49,20 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-metric median across runs (numbers only)."""
+    """Per-metric median across runs: of numbers, and of each entry of a table of numbers (CPU
+    by thread name); anything else as the first run has it."""
     keys = runs[0].keys()
     out: dict[str, Any] = {}
     for k in keys:
         vals = [r[k] for r in runs if isinstance(r.get(k), int | float)]
-        out[k] = statistics.median(vals) if vals else runs[0][k]
+        tables = [r[k] for r in runs if isinstance(r.get(k), dict)]
+        if vals:
+            out[k] = statistics.median(vals)
+        elif tables and all(isinstance(v, int | float) for t in tables for v in t.values()):
+            names = dict.fromkeys(n for t in tables for n in t)
+            out[k] = {n: statistics.median(t.get(n, 0) for t in tables) for n in names}
+        else:
+            out[k] = runs[0][k]
     return out
 
 
