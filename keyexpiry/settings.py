@@ -43,6 +43,11 @@ class Settings:
     key_prefix: str = ""
     concurrency: int = 8
     """Worker threads: sync handlers run at once."""
+    worker_ramp_ms: int = 5
+    """How long a claimed run waits behind busy workers before one more idle worker is woken
+    for it (one more each such interval): trivial handlers are run by the few workers that keep
+    up, without waking the whole pool for each claim; handlers that typically take this long
+    or longer wake a worker per run. 0 wakes a worker per run."""
     async_concurrency: int = 100
     """Coroutines of `async def` handlers run at once (on the listener's event loop)."""
     handler_timeout_s: float = 60.0
@@ -251,6 +256,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "reconnect_max_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
     "health_check_interval_s": (0, 3600),  # 0: off; else at least MIN_INTERVAL_S (`validate`)
     "claim_batch": (1, 5000),
+    "worker_ramp_ms": (0, 1000),
     "canary_interval_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
     "lease_check_s": (limits.MIN_INTERVAL_S, limits.DAY_S),
     "stuck_after_s": (0, limits.DAY_S),
@@ -273,7 +279,7 @@ least `limits.MIN_INTERVAL_S`: a smaller one (1e-300) spins a thread at 100 % CP
 window and look-ahead at least 1 s (its reads are per window)."""
 _WHOLE = (
     "concurrency", "async_concurrency", "sentinel_count", "claim_batch", "driver_max_rows",
-    "driver_tick_ms", "result_max_bytes", "payload_max_bytes",
+    "driver_tick_ms", "result_max_bytes", "payload_max_bytes", "worker_ramp_ms",
 )  # fmt: skip
 
 

@@ -183,6 +183,17 @@ def _thread_name(pid: int, tid: int) -> str:
         return "?"
 
 
+def _voluntary_switches(pid: int, tid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return 0
+
+
 def settings_for(redis_url: str, db_url: str, **overrides: Any) -> Settings:
     """Benchmark settings: the defaults, no sentinels (a run is shorter than one interval)."""
     return Settings(redis_url=redis_url, database_url=db_url, sentinel_count=0, **overrides)
@@ -203,6 +214,7 @@ class MeasuredProcess:
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _cpu_start: float = field(default=0.0, init=False)
     _threads_start: dict[int, float] = field(default_factory=dict, init=False)
+    _switches_start: dict[int, int] = field(default_factory=dict, init=False)
 
     def argv(self) -> list[str]:
         """The command line (after the Python interpreter)."""
@@ -235,6 +247,8 @@ class MeasuredProcess:
         """From now on CPU counts towards the run (start-up is left out)."""
         self._cpu_start = self.cpu_s()
         self._threads_start = {t.id: t.user_time + t.system_time for t in self._threads()}
+        pid = self._ps.pid
+        self._switches_start = {t.id: _voluntary_switches(pid, t.id) for t in self._threads()}
 
     def cpu_s(self) -> float:
         """CPU seconds the process used so far."""
@@ -261,6 +275,18 @@ class MeasuredProcess:
             name = "main" if t.id == pid else _thread_name(pid, t.id)
             spent = t.user_time + t.system_time - self._threads_start.get(t.id, 0.0)
             by_name[name] = round(by_name.get(name, 0.0) + spent, 3)
+        return dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
+
+    def thread_switches_since_start(self) -> dict[str, int]:
+        """Voluntary context switches since it was ready by thread name (as
+        `thread_cpu_since_start`): how often each thread slept on a lock, the GIL or I/O, which
+        CPU alone does not show."""
+        by_name: dict[str, int] = {}
+        pid = self._ps.pid
+        for t in self._threads():
+            name = "main" if t.id == pid else _thread_name(pid, t.id)
+            spent = _voluntary_switches(pid, t.id) - self._switches_start.get(t.id, 0)
+            by_name[name] = by_name.get(name, 0) + spent
         return dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
 
     def _sample(self) -> None:

@@ -122,9 +122,12 @@ def due_wave(
         waited = wait_done(client, n, cap_s=wait_s + span_s + cap_s, key_like=NOOP)
         cpu_s = sum(p.cpu_since_start() for p in procs)
         thread_cpu: dict[str, float] = {}
+        switches: dict[str, int] = {}
         for p in procs:
             for name, spent in p.thread_cpu_since_start().items():
                 thread_cpu[name] = round(thread_cpu.get(name, 0.0) + spent, 3)
+            for name, count in p.thread_switches_since_start().items():
+                switches[name] = switches.get(name, 0) + count
         figures = lateness_and_rate(client, NOOP, [p.starts_path for p in procs])
         figures.update(
             n=n,
@@ -134,6 +137,7 @@ def due_wave(
             waited_s=round(waited, 1),
             listener_cpu_s=round(cpu_s, 2),
             listener_thread_cpu_s=thread_cpu,
+            listener_thread_switches=switches,
             listener_rss_mb=round(max(p.rss_max_mb for p in procs), 1),
             listeners=listeners,
             max_attempts=_max_attempts(client),

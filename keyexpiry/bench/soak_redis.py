@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis
 from redis.sentinel import Sentinel
@@ -101,8 +101,9 @@ class SentinelRedis:
     def primaries(self) -> list[redis.Redis]:
         """The master as the sentinels name it now."""
         hosts = [(LOOPBACK, s.port) for s in self.group.sentinels]
-        sentinel = Sentinel(hosts, socket_timeout=1.0, socket_connect_timeout=1.0)  # type: ignore[no-untyped-call]
-        client: redis.Redis = sentinel.master_for(self.group.service, socket_timeout=2.0)  # type: ignore[no-untyped-call]
+        factory: Any = Sentinel  # typed by redis-py from 8.2 on only
+        sentinel = factory(hosts, socket_timeout=1.0, socket_connect_timeout=1.0)
+        client: redis.Redis = sentinel.master_for(self.group.service, socket_timeout=2.0)
         return [client]
 
     def ports(self) -> set[int]:

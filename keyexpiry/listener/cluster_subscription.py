@@ -221,7 +221,8 @@ class ClusterSubscription(Subscription):
     def _open_feed(self, address: str, wake: bool, *, confirm_s: float = 10.0) -> _Feed:
         """A subscription to `address`, confirmed, not yet read (`_add_feed` reads it)."""
         client = self.cluster.subscriber(address)
-        pubsub: Any = client.pubsub()  # type: ignore[no-untyped-call]
+        untyped: Any = client  # redis-py types pubsub() from 8.2 on only
+        pubsub: Any = untyped.pubsub()
         try:
             subscribe_confirmed(pubsub, [self.channel, self.evicted_channel], timeout_s=confirm_s)
             if wake:

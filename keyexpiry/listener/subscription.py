@@ -209,7 +209,8 @@ class Subscription:
             # Never reuse a connection made before: a PubSub re-dials the node it had.
             self._reset_subscriber()
         self.clock.sync()
-        pubsub: Any = self._subscriber().pubsub()  # type: ignore[no-untyped-call]
+        subscriber: Any = self._subscriber()  # redis-py types pubsub() from 8.2 on only
+        pubsub: Any = subscriber.pubsub()
         self._pubsub = pubsub
         channels = [self.channel, self.evicted_channel]
         if settings.driver:

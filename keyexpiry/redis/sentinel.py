@@ -175,10 +175,11 @@ def master_client(url: str, options: Mapping[str, Any]) -> redis.Redis:
     }
     if parsed.tls:
         sentinel_kwargs["ssl"] = kwargs["ssl"] = True
-    sentinel = Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
-        parsed.service, connection_pool_class=FollowingPool, **kwargs
-    )
+    # Through Any: redis-py types Sentinel from 8.2 on, not before (an ignore fails either way).
+    sentinel: Any = Sentinel
+    client: redis.Redis = sentinel(
+        list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs
+    ).master_for(parsed.service, connection_pool_class=FollowingPool, **kwargs)
     return client
 
 

@@ -12,7 +12,6 @@ own so the subscription never waits on the database or a handler:
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -45,7 +44,10 @@ class Dispatcher:
         """Unexpected exceptions the dispatcher's threads survived."""
         self._stopped = threading.Event()
         self.inflight = InFlight(
-            rt.settings.concurrency, rt.settings.claim_batch, rt.settings.async_concurrency
+            rt.settings.concurrency,
+            rt.settings.claim_batch,
+            rt.settings.async_concurrency,
+            rt.settings.worker_ramp_ms / 1000,
         )
         # Each part is handed what it uses of the runtime, here and nowhere else.
         self.gate = Gate(
@@ -117,18 +119,10 @@ class Dispatcher:
         while self.claimer.claiming and monotonic_s() < deadline:
             time.sleep(0.01)
         inflight = self.inflight
-        unstarted: list[ClaimedRun] = []
-        while True:
-            try:
-                item = inflight.runq.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                unstarted.append(item)
+        unstarted = inflight.runq.drain()
         unstarted += self.executor.coroutines.withdraw()  # waiting for a coroutine slot
         self._release(unstarted)
-        for _ in range(self.settings.concurrency):
-            inflight.runq.put(None)
+        inflight.runq.close()
         with inflight.cond:
             while inflight.running and monotonic_s() < deadline:
                 inflight.cond.wait(0.05)

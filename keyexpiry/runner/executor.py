@@ -23,6 +23,7 @@ from keyexpiry.run_metrics import RunMetrics
 from keyexpiry.runner.coroutines import CoroutineRunner
 from keyexpiry.runner.gate import Gate
 from keyexpiry.runner.inflight import ClaimedRun, DispatchStats, InFlight
+from keyexpiry.runner.runq import Worker
 from keyexpiry.runner.transactional import run_in_transaction
 from keyexpiry.schedules.rules import plan_run
 from keyexpiry.settings import Settings
@@ -142,10 +143,12 @@ class Executor:
         )
 
     def _worker_loop(self) -> None:
+        me = Worker()
         while True:
-            run = self.inflight.runq.get()
+            run = self.inflight.runq.get(me)
             if run is None:
                 return
+            run.worker = me
             try:
                 if run.spec.is_async:
                     self.coroutines.submit(run)  # never waits: the worker takes the next run
@@ -153,6 +156,8 @@ class Executor:
                     return  # timed out: the watchdog started a replacement; this thread retires
             except Exception as exc:
                 self.run_broke(run, exc)
+                if run.abandoned:
+                    return  # as above: its replacement is running already
 
     def run_broke(self, run: ClaimedRun, exc: Exception) -> None:
         """Something other than the handler raised around a run (a bug, or a value that slipped
@@ -462,6 +467,8 @@ class Watchdog:
             if run.spec.is_async:
                 self._executor.coroutines.cancel(run)
             else:
+                if run.worker is not None:
+                    self.inflight.runq.lost(run.worker)
                 self._executor.spawn_worker()
             end_tx = run.end_tx
             if run.tx_taken and end_tx is not None:

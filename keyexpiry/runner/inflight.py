@@ -4,7 +4,6 @@ written, and the one condition that guards them (claimer, workers, watchdog and 
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 from keyexpiry.clock import monotonic_s
 from keyexpiry.ledger.rows import Occurrence, Outcome, TaskRow
 from keyexpiry.registry import TaskSpec
+from keyexpiry.runner.runq import RunQueue, Worker
 
 # Claims may run ahead of the workers by about this much queued work, so the claimer's round trip
 # is paid per batch, not per worker slot; the queue stays short enough that a claim's lease
@@ -46,6 +46,8 @@ class ClaimedRun:
     """The watchdog took `end_tx`: the run's connection must never go back to the pool."""
     occurrence: Occurrence | None = None
     """The schedule's occurrence this run stands for (set as it starts), or None."""
+    worker: Worker | None = None
+    """The worker running it (sync handlers), which the watchdog gives up when it hangs."""
     claimed_s: float = field(default_factory=monotonic_s)
     """When it was claimed (monotonic): a run that waited long may have been taken over."""
 
@@ -81,9 +83,14 @@ class DispatchStats:
 class InFlight:
     """Claimed runs (queued or running) and outcomes not yet recorded, under one condition."""
 
-    def __init__(self, concurrency: int, claim_batch: int, async_limit: int = 100) -> None:
+    def __init__(
+        self, concurrency: int, claim_batch: int, async_limit: int = 100, ramp_s: float = 0.0
+    ) -> None:
+        """`ramp_s`: how long the oldest queued run waits behind active workers before one more
+        is woken (`runner.runq`); 0 wakes one per run."""
         self.cond = threading.Condition()
-        self.runq: queue.SimpleQueue[ClaimedRun | None] = queue.SimpleQueue()
+        self.runq: RunQueue[ClaimedRun] = RunQueue(ramp_s)
+        """Claimed runs waiting for a worker."""
         self.count = 0
         """Claimed and not yet finished (queued or running)."""
         self.running: dict[int, ClaimedRun] = {}
@@ -139,8 +146,7 @@ class InFlight:
         """Queue freshly claimed runs for the workers."""
         with self.cond:
             self.count += len(runs)
-        for run in runs:
-            self.runq.put(run)
+        self.runq.put(runs)
 
     def started(self, run: ClaimedRun) -> None:
         """A worker begins `run` (the watchdog now times it)."""
@@ -164,6 +170,7 @@ class InFlight:
             if run.abandoned:
                 return False
             self._leave(run)
+            first = not self.outcomes
             self._queue_outcome(outcome)
             assert run.started_s is not None
             if not run.spec.is_async:
@@ -171,7 +178,11 @@ class InFlight:
                 took_s = monotonic_s() - run.started_s
                 avg = self._run_s_avg
                 self._run_s_avg = took_s if avg is None else avg + 0.05 * (took_s - avg)
-            self.cond.notify_all()
+            # Only when a waiter may go on: the recorder waits for a first outcome, the claimer
+            # for room, a stop for the last run. Waking the claimer at every ending run, only
+            # for it to find no room yet, cost a thread wake-up (and a GIL hand-off) a run.
+            if first or not self.running or self.claim_room() > 0:
+                self.cond.notify_all()
         self.on_leave(run)
         return True
 

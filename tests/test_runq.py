@@ -1,0 +1,206 @@
+"""The run queue wakes idle workers as the waiting runs need them (pure threading, no servers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from keyexpiry.runner.runq import RunQueue, Worker
+
+DEADLINE_S = 10.0
+
+
+@dataclass(eq=False)
+class Job:
+    """Stands in for a claimed run: what the worker does with it."""
+
+    name: str
+    hold: threading.Event | None = None
+    """The worker waits for this before it is done with the job (a handler that blocks)."""
+    nap_s: float = 0.0
+    """The worker sleeps this long in the job (a handler waiting on I/O)."""
+    spin_s: float = 0.0
+    """The worker computes this long in the job (a handler holding the GIL)."""
+    taken_by: int | None = None
+    taken_s: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Pool:
+    """`n` worker threads taking jobs from `q` until it closes."""
+
+    def __init__(self, q: RunQueue[Job], n: int) -> None:
+        self.q = q
+        self.workers: dict[int, Worker] = {}
+        self.taken: list[Job] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, i: int) -> None:
+        me = self.workers[i] = Worker()
+        while (job := self.q.get(me)) is not None:
+            job.taken_by, job.taken_s = i, time.monotonic()
+            with self.lock:
+                self.taken.append(job)
+            if job.hold is not None:
+                job.hold.wait(DEADLINE_S)
+            if job.nap_s:
+                time.sleep(job.nap_s)
+            if job.spin_s:
+                until = time.monotonic() + job.spin_s
+                while time.monotonic() < until:
+                    pass
+            job.done.set()
+
+    def put(self, *jobs: Job) -> None:
+        self.q.put(jobs)
+
+    def close(self) -> None:
+        self.q.close()
+        for t in self.threads:
+            t.join(DEADLINE_S)
+        assert not any(t.is_alive() for t in self.threads)
+
+
+@contextmanager
+def pool(ramp_ms: float, n: int = 4, **kw: Any) -> Iterator[Pool]:
+    p = Pool(RunQueue[Job](ramp_ms / 1000, **kw), n)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def backlog_workers(p: Pool, alone: int, backlog: int, **job: Any) -> int:
+    """Run `alone` jobs one at a time (the queue learns their share on CPU), then `backlog` at
+    once: how many workers ran the backlog."""
+    for i in range(alone):
+        warm = Job(f"warm{i}", **job)
+        p.put(warm)
+        assert warm.done.wait(DEADLINE_S)
+    jobs = [Job(f"j{i}", **job) for i in range(backlog)]
+    p.put(*jobs)
+    wait_for(lambda: all(j.done.is_set() for j in jobs))
+    return len({j.taken_by for j in jobs})
+
+
+def test_a_run_given_to_an_idle_pool_wakes_one_worker_at_once() -> None:
+    with pool(ramp_ms=1000) as p:
+        job = Job("a")
+        p.put(job)
+        assert job.done.wait(DEADLINE_S)
+        assert p.q.wakes == 1
+
+
+def test_a_batch_of_quick_runs_is_run_in_order_without_waking_the_pool() -> None:
+    with pool(ramp_ms=1000, n=8) as p:
+        first = Job("first", hold=threading.Event())
+        rest = [Job(f"r{i}") for i in range(200)]
+        p.put(first, *rest)
+        wait_for(lambda: first.taken_by is not None)
+        first.hold.set()  # type: ignore[union-attr]
+        wait_for(lambda: all(j.done.is_set() for j in rest))
+        # Behind one active worker making progress, nobody else was woken to run them (a
+        # sentry watches the deadline but runs nothing before it).
+        assert p.q.wakes == 1
+        assert [j.name for j in p.taken] == ["first"] + [j.name for j in rest]
+        assert {j.taken_by for j in rest} == {first.taken_by}
+
+
+def test_a_run_behind_a_stuck_worker_is_started_by_another_within_the_ramp() -> None:
+    with pool(ramp_ms=20) as p:
+        stuck = Job("stuck", hold=threading.Event())
+        p.put(stuck)
+        wait_for(lambda: stuck.taken_by is not None)
+        behind = Job("behind")
+        put_s = time.monotonic()
+        p.put(behind)
+        assert behind.done.wait(DEADLINE_S)
+        assert not stuck.done.is_set()
+        assert behind.taken_by != stuck.taken_by
+        assert behind.taken_s is not None and behind.taken_s - put_s >= 0.015
+        stuck.hold.set()  # type: ignore[union-attr]
+
+
+def test_runs_that_wait_on_io_get_more_workers_as_they_queue_up() -> None:
+    with pool(ramp_ms=5, n=4) as p:
+        # Teach the queue that runs mostly wait: a few alone first.
+        workers = backlog_workers(p, 20, 200, nap_s=0.002)
+        assert workers == 4
+
+
+def test_slow_handlers_wake_a_worker_per_run() -> None:
+    with pool(ramp_ms=5, n=4) as p:
+        warm = Job("warm", nap_s=0.01)  # typical run longer than the ramp
+        p.put(warm)
+        assert warm.done.wait(DEADLINE_S)
+        holds = [Job(f"h{i}", hold=threading.Event()) for i in range(4)]
+        p.put(*holds)
+        wait_for(lambda: all(j.taken_by is not None for j in holds))
+        assert len({j.taken_by for j in holds}) == 4
+        for j in holds:
+            j.hold.set()  # type: ignore[union-attr]
+
+
+def test_ramp_zero_wakes_a_worker_per_run() -> None:
+    with pool(ramp_ms=0, n=4) as p:
+        holds = [Job(f"h{i}", hold=threading.Event()) for i in range(4)]
+        p.put(*holds)
+        wait_for(lambda: all(j.taken_by is not None for j in holds))
+        assert p.q.wakes == 4
+        for j in holds:
+            j.hold.set()  # type: ignore[union-attr]
+
+
+def test_close_ends_sleeping_workers_and_drain_returns_the_waiting_runs() -> None:
+    q = RunQueue[Job](1.0)
+    p = Pool(q, 3)
+    stuck = Job("stuck", hold=threading.Event())
+    p.put(stuck)
+    wait_for(lambda: stuck.taken_by is not None)
+    waiting = [Job("w1"), Job("w2")]
+    p.put(*waiting)  # behind the stuck worker; the ramp (1 s) is far off
+    assert [r.name for r in q.drain()] == ["w1", "w2"]
+    assert len(q) == 0
+    q.close()
+    stuck.hold.set()  # type: ignore[union-attr]
+    p.close()
+    assert not any(j.done.is_set() for j in waiting)
+
+
+def test_a_lost_worker_no_longer_holds_runs_back() -> None:
+    with pool(ramp_ms=1000, n=3) as p:
+        hung = Job("hung", hold=threading.Event())
+        p.put(hung)
+        wait_for(lambda: hung.taken_by is not None)
+        assert hung.taken_by is not None
+        p.q.lost(p.workers[hung.taken_by])  # the watchdog abandoned it
+        nxt = Job("next")
+        p.put(nxt)
+        # At once, not after the 1 s ramp: no worker counts as active.
+        assert nxt.done.wait(0.5)
+        hung.hold.set()  # type: ignore[union-attr]
+        assert hung.done.wait(DEADLINE_S)
+        # Its thread came back after all: it is not counted out twice.
+        assert p.q.active() == 0 or wait_for(lambda: p.q.active() == 0) is None
+
+
+def test_runs_that_compute_are_run_by_two_workers_not_the_pool() -> None:
+    # Their CPU time read off the clock: all on CPU, even on a machine busy with other work.
+    with pool(ramp_ms=50, n=6, thread_cpu_s=time.monotonic) as p:
+        workers = backlog_workers(p, 10, 300, spin_s=0.001)  # the queue learns: all CPU
+        # One at once, a second after a ramp; more would only share the GIL.
+        assert workers == 2
