@@ -66,9 +66,13 @@ def test_metrics_count_runs_by_outcome_lateness_and_the_ledger(
     wait_status(client, dead, TaskStatus.DEAD)
     assert len(later) == 3
 
+    # Every run ended: no worker is still counted busy (a worker counts itself out as it asks
+    # for its next run, just after its outcome is queued), none waits.
+    wait_until(lambda: samples(get(f"{url}/metrics")[1])[("keyexpiry_workers_active", ())] == 0, 10)
     status, body = get(f"{url}/metrics")
     assert status == 200
     m = samples(body)
+    assert m[("keyexpiry_runs_waiting", ())] == 0
     record = (("task", "Probe.record"),)
     fail = (("task", "Probe.always_fail"),)
     assert m[("keyexpiry_runs_total", (("outcome", "done"), *record))] == 5

@@ -204,3 +204,23 @@ def test_runs_that_compute_are_run_by_two_workers_not_the_pool() -> None:
         workers = backlog_workers(p, 10, 300, spin_s=0.001)  # the queue learns: all CPU
         # One at once, a second after a ramp; more would only share the GIL.
         assert workers == 2
+
+
+def test_a_worker_is_lost_for_the_run_it_hung_on_not_for_the_one_after() -> None:
+    with pool(ramp_ms=1000, n=2) as p:
+        first = Job("first")
+        p.put(first)
+        assert first.done.wait(DEADLINE_S)
+        second = Job("second", hold=threading.Event())
+        p.put(second)
+        wait_for(lambda: second.taken_by is not None)
+        assert second.taken_by == first.taken_by  # the last worker to go idle is woken first
+        worker = p.workers[first.taken_by]
+        # The watchdog gave up on `first` late, after its worker had moved on to `second`.
+        p.q.lost(worker, first)
+        assert p.q.active() == 1
+        p.q.lost(worker, second)
+        assert p.q.active() == 0
+        second.hold.set()  # type: ignore[union-attr]
+        assert second.done.wait(DEADLINE_S)
+        wait_for(lambda: p.q.active() == 0)

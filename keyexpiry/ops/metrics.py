@@ -52,6 +52,8 @@ NAMES = (
     "keyexpiry_keys_not_armed_total",
     "keyexpiry_thread_errors_total",
     "keyexpiry_inflight",
+    "keyexpiry_runs_waiting",
+    "keyexpiry_workers_active",
     "keyexpiry_subscribed",
     "keyexpiry_events_arriving",
     "keyexpiry_ready",
@@ -483,10 +485,22 @@ class ListenerCollector(Collector):
             "Unexpected exceptions the listener's threads survived.",
             lst.thread_errors.count,
         )
+        inflight = lst.dispatcher.inflight
         yield _gauge(
             "keyexpiry_inflight",
             "Claimed runs not yet finished (queued or running).",
-            lst.dispatcher.inflight.count,
+            inflight.count,
+        )
+        yield _gauge(
+            "keyexpiry_runs_waiting",
+            "Claimed runs waiting for a worker.",
+            len(inflight.runq),
+        )
+        yield _gauge(
+            "keyexpiry_workers_active",
+            "Worker threads running a run or woken for one (of `concurrency`; idle ones are "
+            "woken as the waiting runs need them).",
+            inflight.runq.active(),
         )
         yield _gauge(
             "keyexpiry_subscribed", "1 while subscribed to expired events.", lst.subscribed.is_set()

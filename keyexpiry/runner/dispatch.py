@@ -115,10 +115,12 @@ class Dispatcher:
     def stop(self, timeout_s: float) -> None:
         """Stop claiming, let running handlers finish for up to `timeout_s`, release the rest."""
         self.claimer.stop.set()
+        inflight = self.inflight
+        with inflight.cond:
+            inflight.cond.notify_all()  # a claimer waiting for room sees the stop now
         deadline = monotonic_s() + timeout_s
         while self.claimer.claiming and monotonic_s() < deadline:
             time.sleep(0.01)
-        inflight = self.inflight
         unstarted = inflight.runq.drain()
         unstarted += self.executor.coroutines.withdraw()  # waiting for a coroutine slot
         self._release(unstarted)

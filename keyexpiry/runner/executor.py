@@ -144,20 +144,27 @@ class Executor:
 
     def _worker_loop(self) -> None:
         me = Worker()
-        while True:
-            run = self.inflight.runq.get(me)
-            if run is None:
-                return
-            run.worker = me
-            try:
-                if run.spec.is_async:
-                    self.coroutines.submit(run)  # never waits: the worker takes the next run
-                elif self._execute(run):
-                    return  # timed out: the watchdog started a replacement; this thread retires
-            except Exception as exc:
-                self.run_broke(run, exc)
-                if run.abandoned:
-                    return  # as above: its replacement is running already
+        try:
+            while True:
+                run = self.inflight.runq.get(me)
+                if run is None:
+                    return
+                run.worker = me
+                try:
+                    if run.spec.is_async:
+                        self.coroutines.submit(run)  # never waits: the worker takes the next
+                    elif self._execute(run) or run.abandoned:
+                        # Timed out (also when it then returned early, a schedule's read failing
+                        # after its timeout): the watchdog started a replacement; this retires.
+                        return
+                except Exception as exc:
+                    self.run_broke(run, exc)
+                    if run.abandoned:
+                        return  # as above: its replacement is running already
+        finally:
+            # Whatever ends this loop (`threads.spawn` restarts it after an error with a new
+            # place in the queue), this one no longer counts as active.
+            self.inflight.runq.lost(me)
 
     def run_broke(self, run: ClaimedRun, exc: Exception) -> None:
         """Something other than the handler raised around a run (a bug, or a value that slipped
@@ -468,7 +475,7 @@ class Watchdog:
                 self._executor.coroutines.cancel(run)
             else:
                 if run.worker is not None:
-                    self.inflight.runq.lost(run.worker)
+                    self.inflight.runq.lost(run.worker, run)
                 self._executor.spawn_worker()
             end_tx = run.end_tx
             if run.tx_taken and end_tx is not None:

@@ -60,6 +60,8 @@ class Worker:
     """When it took its run, by the clock and by its thread's CPU time."""
     crowd: int = 0
     """Workers active when it took its run (itself included)."""
+    run: object = None
+    """The run it took last."""
 
     def __post_init__(self) -> None:
         self.bell.acquire()
@@ -130,6 +132,9 @@ class RunQueue(Generic[Run]):
                         return self._take(worker, now)
                 self._idle.append(worker)
                 self._wait(worker, None)
+            if worker.reserved:  # woken to run just as the queue closed
+                worker.reserved = False
+                self._active -= 1
             return None
 
     def drain(self) -> list[Run]:
@@ -149,18 +154,19 @@ class RunQueue(Generic[Run]):
             for worker in sleeping:
                 self._ring(worker)
 
-    def lost(self, worker: Worker) -> None:
-        """`worker` was abandoned to a handler that hung (the watchdog starts another): it no
-        longer counts as active, whether or not its thread ever comes back."""
+    def lost(self, worker: Worker, run: object = None) -> None:
+        """`worker` no longer counts as active: abandoned to `run`, a handler that hung (the
+        watchdog starts another worker), or ending for good (any run). Nothing when it has
+        moved on from `run` already, or is not active."""
         with self._lock:
-            if worker.active:
+            if worker.active and (run is None or worker.run is run):
                 worker.active = False
                 self._active -= 1
 
     # --- under the lock -----------------------------------------------------------------------
     def _take(self, worker: Worker, now: float) -> Run:
         run, _queued_s = self._runs.popleft()
-        worker.active = True
+        worker.active, worker.run = True, run
         worker.took_s, worker.took_cpu_s = now, self._thread_cpu_s()
         worker.crowd = self._active
         self._took_s = now
