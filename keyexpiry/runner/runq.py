@@ -15,7 +15,8 @@ them, with `ramp_s` the longest a run waits behind busy workers for no reason:
   trivial ones are run by two), and past that only when no run was taken for `ramp_s` (the
   active ones are stuck): another thread would only fight for the GIL;
 - an idle worker woken as the *sentry* sleeps until the oldest run's deadline, so a run behind
-  workers that all hang still starts within `ramp_s`, with no thread polling.
+  workers that all hang still starts within `ramp_s`; no thread polls an idle queue (behind a
+  backlog the sentry wakes once a ramp, to find the deadline moved on).
 
 The share on CPU is read from runs that had the interpreter nearly to themselves: beside many
 workers, a run is mostly waiting for the GIL, which would read as I/O and wake more still.
