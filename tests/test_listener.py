@@ -135,6 +135,23 @@ def test_a_handler_past_its_timeout_counts_as_failed_and_is_retried(
     sample_tasks.gate("slow").set()
 
 
+def test_a_task_behind_a_blocked_handler_runs_on_another_worker(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    # Workers are woken as the queue needs them (`runner.runq`): a run queued behind a worker
+    # stuck in its handler must still get the idle one, within the ramp, not wait for it.
+    running = start_listener(settings.replace(concurrency=2))
+    blocked = client.create("Probe.wait", "blocked-worker", ttl_ms=20)
+    wait_status(client, blocked, TaskStatus.RUNNING)
+    key = client.create("Probe.record", "behind-the-blocked-one", ttl_ms=20)
+    wait_status(client, key, TaskStatus.DONE)
+    still = client.store.get(blocked)
+    assert still is not None and still.status is TaskStatus.RUNNING
+    assert running.listener.dispatcher.inflight.runq.active() == 1
+    sample_tasks.gate("blocked-worker").set()
+    wait_status(client, blocked, TaskStatus.DONE)
+
+
 def test_bad_keys_are_ignored_and_the_listener_keeps_going(
     client: Client, settings: Settings, start_listener: StartListener
 ) -> None:

@@ -1,4 +1,7 @@
-"""Servers, a listener process and measurements shared by the scenarios."""
+"""Servers, a listener process and measurements shared by the scenarios.
+
+Long because every scenario leans on the same three things (the servers' lifecycle, the measured
+listener process, its CPU/RSS/thread figures): one place to read how a figure is taken."""
 
 from __future__ import annotations
 

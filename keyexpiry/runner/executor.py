@@ -1,5 +1,9 @@
 """Running claimed tasks: a bounded pool of workers calls the handlers, a watchdog fails runs past
-their timeout, and each ended run becomes an outcome (done, retry at a time, or dead)."""
+their timeout, and each ended run becomes an outcome (done, retry at a time, or dead).
+
+Long because a run's whole life on a worker is here (start checks, the call, transactional
+runs, the outcome, the watchdog that abandons it): split, each part would reach into the others'
+state under the same flight condition."""
 
 from __future__ import annotations
 
