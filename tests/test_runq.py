@@ -27,6 +27,7 @@ class Job:
     """The worker computes this long in the job (a handler holding the GIL)."""
     taken_by: int | None = None
     taken_s: float | None = None
+    done_s: float = float("inf")
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -56,6 +57,7 @@ class Pool:
                 until = time.monotonic() + job.spin_s
                 while time.monotonic() < until:
                     pass
+            job.done_s = time.monotonic()
             job.done.set()
 
     def put(self, *jobs: Job) -> None:
@@ -224,3 +226,25 @@ def test_a_worker_is_lost_for_the_run_it_hung_on_not_for_the_one_after() -> None
         second.hold.set()  # type: ignore[union-attr]
         assert second.done.wait(DEADLINE_S)
         wait_for(lambda: p.q.active() == 0)
+
+
+def test_a_worker_woken_past_enough_goes_back_to_sleep_once_the_others_take_runs() -> None:
+    # Their CPU time read off the clock: all on CPU, so two workers are enough.
+    with pool(ramp_ms=20, n=4, thread_cpu_s=time.monotonic) as p:
+        backlog_workers(p, 10, 0, spin_s=0.001)
+        # Three runs that wait: the second wakes a worker after a ramp (one is not enough),
+        # the third another after a ramp with no run taken (stuck, as the active ones look
+        # while the claimer holds the GIL), and the quick runs behind them a fourth.
+        naps = [Job(f"nap{i}", nap_s=0.15) for i in range(3)]
+        p.put(*naps)
+        wait_for(lambda: all(j.taken_by is not None for j in naps))
+        quick = [Job(f"q{i}", spin_s=0.001) for i in range(1000)]
+        p.put(*quick)
+        wait_for(lambda: all(j.done.is_set() for j in naps))
+        wait_for(lambda: all(j.done.is_set() for j in quick))
+        late = [j for j in quick if j.taken_s is not None and j.taken_s > naps[2].done_s]
+        counts = sorted(sum(1 for j in late if j.taken_by == w) for w in p.workers)
+        # Back from their naps, all but one go back to sleep: two workers run the rest (a
+        # pause of the machine for a ramp may let the sentry take a run or two).
+        assert len(late) > 100
+        assert sum(counts[:-2]) <= 10, counts

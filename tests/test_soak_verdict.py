@@ -45,9 +45,13 @@ class Recorder:
         kind: str = "normal",
         t_s: float = 1.0,
         ambiguous: bool = False,
+        unarmed: bool = False,
     ) -> None:
         line = {"op": "create", "t_ms": ms(t_s), "i": i, "due_ms": ms(due_s), "kind": kind}
-        self.produced.append({**line, "via": "plain", **({"ambiguous": True} if ambiguous else {})})
+        flags = {"ambiguous": True} if ambiguous else {}
+        if unarmed:
+            flags["unarmed"] = True
+        self.produced.append({**line, "via": "plain", **flags})
 
     def reschedule(self, i: int, t_s: float, due_s: float, ambiguous: bool = False) -> None:
         line = {"op": "reschedule", "t_ms": ms(t_s), "i": i, "due_ms": ms(due_s)}
@@ -599,6 +603,28 @@ def test_lateness_inside_and_outside_fault_windows(rec: Recorder) -> None:
     assert lateness["inside"] == {"count": 3, "p50": 3000, "p99": 5000, "p99.9": 5000, "max": 5000}
     assert lateness["inside_by_fault"]["failover"]["max"] == 3000
     assert lateness["inside_by_fault"]["kill9"]["max"] == 500
+
+
+def test_the_latest_outside_starts_are_listed_and_unarmed_creates_counted_apart(
+    rec: Recorder,
+) -> None:
+    for n in range(50):
+        rec.create(n, due_s=100 + n * 0.1)
+        rec.run(n, 100 + n * 0.1 + 0.01 * (n % 7), 200.0)
+    rec.create(60, due_s=150, t_s=150.17)  # created 170 ms after its due, run 12.6 s later
+    rec.run(60, 162.77, 162.8)
+    rec.create(61, due_s=160, t_s=160.2, unarmed=True)  # its key not set: the overdue repair
+    rec.run(61, 170.5, 170.6)
+    lateness = judge(rec)["lateness"]
+    assert lateness["outside"]["count"] == 51
+    assert lateness["outside"]["max"] == 12770
+    assert lateness["unarmed_creates"]["count"] == 1
+    assert lateness["unarmed_creates"]["max"] == 10500
+    latest = lateness["outside_latest"]
+    assert latest[0]["i"] == 60
+    assert [w["late_ms"] for w in latest[1:]] == [60] * 4
+    assert latest[0]["created_after_due_ms"] == 170
+    assert latest[0]["late_ms"] == 12770 and latest[0]["pid"] == PID_A
 
 
 def test_tail_targets_name_each_kind_of_faults_worst_instance(rec: Recorder) -> None:

@@ -433,7 +433,7 @@ class Producer:
 
     def _create(self, batch: list[tuple[int, TaskRequest]], via: str) -> None:
         requests = [r for _, r in batch]
-        ambiguous = recorded = False
+        ambiguous = recorded = unarmed = False
         keys = [self.ke.key_for(r.target, *r.args) for r in requests]
 
         def read_back() -> list[int]:
@@ -441,7 +441,7 @@ class Producer:
             return [rows[k].due_at_ms for k in keys]
 
         def create() -> list[int]:
-            nonlocal ambiguous, recorded
+            nonlocal ambiguous, recorded, unarmed
             if recorded:
                 return read_back()
             try:
@@ -461,8 +461,8 @@ class Producer:
             except RedisUnavailableError:
                 # Recorded, its key not set: reconciliation arms it. Creating it again could
                 # run it twice (GUARANTEES window 3), so read the due times back instead, and
-                # only that on a retry.
-                recorded = True
+                # only that on a retry. The verdict is told: it waits for the overdue repair.
+                recorded = unarmed = True
                 return read_back()
             except StoreError as exc:
                 # May have committed: creating it again is the documented retry, and a run in
@@ -474,7 +474,10 @@ class Producer:
         now = _now_ms()
         for (i, req), due in zip(batch, dues, strict=True):
             line = {"op": "create", "t_ms": now, "i": i, "due_ms": int(due), "kind": kind(i)}
-            self.out.write({**line, "via": via, **({"ambiguous": True} if ambiguous else {})})
+            flags = {"ambiguous": True} if ambiguous else {}
+            if unarmed:
+                flags["unarmed"] = True
+            self.out.write({**line, "via": via, **flags})
             self._recent.append(_Recent(i, int(due), req.tag))
             if req.tag is not None:
                 self._tags.setdefault(req.tag, []).append(i)
@@ -987,6 +990,13 @@ def summary(report: dict[str, Any]) -> str:
         f"  lateness inside faults:  {_pct(late['inside'])}",
     ]
     lines += [f"    {k:<16} {_pct(p)}" for k, p in late["inside_by_fault"].items()]
+    if late.get("unarmed_creates", {}).get("count"):
+        lines.append(f"  creates whose key was not set: {_pct(late['unarmed_creates'])}")
+    for w in late.get("outside_latest", [])[:3]:
+        lines.append(
+            f"  latest outside: task {w['i']} {w['late_ms']} ms late ({w['via']} create "
+            f"{w['created_after_due_ms']:+d} ms from its due; pid {w['pid']})"
+        )
     lines.append(f"  tail targets: {_tails_line(v.get('tails', []))}")
     for f in v["faults"]:
         lines.append(
@@ -1103,6 +1113,8 @@ def markdown(report: dict[str, Any], images: str) -> str:
         _row("inside faults", late["inside"]),
     ]
     lines += [_row(f"inside {k}", p) for k, p in late["inside_by_fault"].items()]
+    if late.get("unarmed_creates", {}).get("count"):
+        lines.append(_row("creates whose key was not set", late["unarmed_creates"]))
     if v.get("tails"):
         lines += [
             "",

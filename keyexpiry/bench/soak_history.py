@@ -51,6 +51,9 @@ class Task:
     """Its create or a reschedule was retried after a call that may have committed (the
     ledger's answer was lost), or retried past its due: a run between the two is followed by
     another (GUARANTEES window 3)."""
+    unarmed: bool = False
+    """Its create recorded the row but could not set its key (`RedisUnavailableError`): it
+    waits for the listeners' overdue repair (`stuck_after_s`), as the error says."""
 
     def due_at(self, t_ms: int) -> int:
         """The due the producer had last set at `t_ms` (its first one if none was set yet)."""
@@ -136,6 +139,7 @@ def _read_produced(path: Path, anomalies: Counter[str]) -> tuple[dict[int, Task]
                 created_ms=int(row["t_ms"]),
                 due_ms=int(row["due_ms"]),
                 ambiguous=bool(row.get("ambiguous", False)),
+                unarmed=bool(row.get("unarmed", False)),
             )
         elif op == "cancel_tag":
             tags.append(TagCancel(int(row["t_ms"]), tuple(map(int, row["ids"])), row["cancelled"]))

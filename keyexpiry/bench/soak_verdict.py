@@ -26,6 +26,7 @@ would only be imported here. The reading of the files is `soak_history`.
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections import Counter, defaultdict
@@ -491,19 +492,39 @@ def percentiles(values: list[int]) -> dict[str, float | int | None]:
     }
 
 
+_WORST_LISTED = 5
+"""The latest first starts outside fault windows listed in the report, each with its task."""
+
+
 def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]:
     outside: list[int] = []
     inside: list[int] = []
+    unarmed: list[int] = []
     by_kind: dict[str, list[int]] = defaultdict(list)
     worst: dict[int, int] = {}
     """Per fault (position in `history.faults`), the latest first start its window met."""
+    latest: list[tuple[int, int]] = []  # a heap of (lateness, task id) outside fault windows
     faults = history.faults
-    for due_ms, late_ms in lateness_points(history):
+    for task in history.tasks.values():
+        point = first_start_lateness(task)
+        if point is None:
+            continue
+        due_ms, late_ms = point
+        if task.unarmed:
+            # The create said its key was not set (Redis did not answer it): the task waits
+            # for the overdue repair, as the error tells the caller. A fault the producer met,
+            # whatever the windows say.
+            unarmed.append(late_ms)
+            continue
         # Inside when the task waited through a fault: due in its window, or due before it
         # and still waiting when it struck (claimed by a listener then killed, say).
         hit = windows.at(due_ms, due_ms + max(0, late_ms))
         if not hit:
             outside.append(late_ms)
+            if len(latest) < _WORST_LISTED:
+                heapq.heappush(latest, (late_ms, task.i))
+            elif late_ms > latest[0][0]:
+                heapq.heapreplace(latest, (late_ms, task.i))
             continue
         inside.append(late_ms)
         for kind in {faults[i].kind for i in hit}:
@@ -514,9 +535,28 @@ def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]
     return {
         "unit": "ms",
         "outside": percentiles(outside),
+        "outside_latest": [
+            _latest_entry(history.tasks[i], late_ms) for late_ms, i in sorted(latest, reverse=True)
+        ],
         "inside": percentiles(inside),
         "inside_by_fault": {k: percentiles(v) for k, v in sorted(by_kind.items())},
         "worst_by_fault": _worst_by_kind(faults, worst),
+        "unarmed_creates": percentiles(unarmed),
+    }
+
+
+def _latest_entry(task: Task, late_ms: int) -> dict[str, Any]:
+    """One of the latest starts outside fault windows, with what may explain it: a create that
+    came after the due time (`created_after_due_ms` > 0) starts no sooner than the create."""
+    first = task.runs[0]
+    return {
+        "i": task.i,
+        "late_ms": late_ms,
+        "via": task.via,
+        "created_after_due_ms": task.created_ms - task.due_at(first.start_ms),
+        "start_ms": first.start_ms,
+        "pid": first.pid,
+        "attempt": first.attempt,
     }
 
 

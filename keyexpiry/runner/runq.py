@@ -14,6 +14,11 @@ them, with `ramp_s` the longest a run waits behind busy workers for no reason:
   run spent on CPU: a burst of handlers waiting on I/O has the whole pool within a few ramps,
   trivial ones are run by two), and past that only when no run was taken for `ramp_s` (the
   active ones are stuck): another thread would only fight for the GIL;
+- a worker back from a run goes back to sleep, rather than take the next, while that many others
+  are active and taking runs: a worker woken because the others looked stuck (the claimer held
+  the GIL for a switch interval, say) would otherwise stay awake for the rest of the backlog,
+  and how many stayed awake varied from wave to wave (throughput waves of the same 30k tasks
+  took 2.7 to 4.4 s of listener CPU, with 14k to 41k worker context switches);
 - an idle worker woken as the *sentry* sleeps until the oldest run's deadline, so a run behind
   workers that all hang still starts within `ramp_s`; no thread polls an idle queue (behind a
   backlog the sentry wakes once a ramp, to find the deadline moved on).
@@ -83,6 +88,8 @@ class RunQueue(Generic[Run]):
         self._woke_s = float("-inf")  # when a worker was last woken to run
         self._ramp_s = ramp_s
         self._took_s = float("-inf")  # when a worker last took a run
+        self._took_by: Worker | None = None  # and which
+        self._before_s = float("-inf")  # when another worker than that one last took a run
         self._run_s: float | None = None  # moving average of a run's time
         self._cpu_share = 1.0  # moving average of the share of a run spent on CPU
         self._closed = False
@@ -118,7 +125,7 @@ class RunQueue(Generic[Run]):
                     if self._runs:
                         return self._take(worker, now)
                     self._active -= 1  # another worker took it meanwhile
-                elif self._runs and not worker.sentry:
+                elif self._runs and not worker.sentry and not self._surplus(worker, now):
                     self._active += 1  # awake already: running the next costs no wake-up
                     return self._take(worker, now)
                 if worker.sentry:
@@ -170,6 +177,8 @@ class RunQueue(Generic[Run]):
         worker.active, worker.run = True, run
         worker.took_s, worker.took_cpu_s = now, self._thread_cpu_s()
         worker.crowd = self._active
+        if self._took_by is not worker:
+            self._before_s, self._took_by = self._took_s, worker
         self._took_s = now
         self._arrange(now)
         return run
@@ -188,12 +197,27 @@ class RunQueue(Generic[Run]):
             share = (self._thread_cpu_s() - worker.took_cpu_s) / max(took_s, 1e-9)
             self._cpu_share += _SMOOTHING * (min(share, 1.0) - self._cpu_share)
 
+    def _enough(self) -> int:
+        """Workers that keep one CPU busy with runs of the measured share on CPU (one more for
+        slack): another only adds a thread fighting for the GIL."""
+        return round(1 / max(self._cpu_share, 0.01)) + 1
+
+    def _surplus(self, worker: Worker, now: float) -> bool:
+        """Whether `worker`, awake and idle, should sleep rather than take the next run: runs
+        are short, enough other workers are active, and one of them took a run within a ramp
+        (they are not stuck)."""
+        run_s = self._run_s
+        if run_s is None or run_s >= self._ramp_s or self._active < self._enough():
+            return False
+        others_took_s = self._before_s if self._took_by is worker else self._took_s
+        return now - others_took_s < self._ramp_s
+
     def _due_s(self, now: float) -> float:
         """When one more worker should take the oldest waiting run (now or earlier: at once)."""
         run_s = self._run_s
         if self._active == 0 or (run_s is not None and run_s >= self._ramp_s):
             return now
-        if self._active < round(1 / max(self._cpu_share, 0.01)) + 1:
+        if self._active < self._enough():
             # Fewer workers than it takes to keep one CPU busy with runs this share on CPU
             # (one more for slack): another adds throughput.
             return max(self._runs[0][1], self._woke_s) + self._ramp_s
