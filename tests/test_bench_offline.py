@@ -141,3 +141,18 @@ def test_churns_verdict_compares_the_peak_after_warm_up_with_the_size_at_its_end
         "warm_up_s": 60, "bytes_at_warm_up": 90, "bytes_peak_after": 100,
         "bytes_at_end": 100, "peak_over_warm_up": 1.11, "ok": True,
     }  # fmt: skip
+
+
+def test_each_run_carries_the_machines_pace_around_it() -> None:
+    from keyexpiry.bench.run import _runs
+
+    calls: list[int] = []
+
+    def wave() -> dict[str, Any]:
+        calls.append(1)
+        return {"tasks_per_s": 100.0 * len(calls)}
+
+    got = _runs("wave", 3, wave)
+    assert [r["tasks_per_s"] for r in got["runs"]] == [100.0, 200.0, 300.0]
+    assert all(r["probe_cpu_ms"] > 0 for r in got["runs"])
+    assert got["median"]["probe_cpu_ms"] > 0

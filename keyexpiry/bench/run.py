@@ -21,6 +21,7 @@ from keyexpiry.bench import peers as peer_bench
 from keyexpiry.bench import runnow as runnow_bench
 from keyexpiry.bench import scenarios
 from keyexpiry.bench.harness import Servers, machine, median_of, servers
+from keyexpiry.bench.probe import probe_cpu_ms
 
 SCENARIOS = (
     "steady", "sparse", "burst", "throughput", "create", "listeners", "ledger", "aio", "cluster",
@@ -35,7 +36,10 @@ def _runs(label: str, runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, 
     results = []
     for i in range(runs):
         t = time.monotonic()
+        before_ms = probe_cpu_ms()
         results.append(fn())
+        # The machine's pace around the run: a dip it shares is not the program's.
+        results[-1]["probe_cpu_ms"] = round((before_ms + probe_cpu_ms()) / 2, 2)
         print(
             f"  {label} run {i + 1}/{runs}: {_short(results[-1])} ({time.monotonic() - t:.0f} s)",
             flush=True,
@@ -57,6 +61,7 @@ def _short(r: dict[str, Any]) -> str:
         "redis_bytes_per_task",
         "settled_late_p99_ms",
         "full_pass_s",
+        "probe_cpu_ms",
     )
     return ", ".join(
         f"{k}={r[k]:.0f}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r
