@@ -192,7 +192,7 @@ class Client(ScheduleCalls):
             except NotPlain:
                 batch.add_all(rest)  # rolled back: the general path below, with every request
             else:
-                self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
+                self._arm([(t.key, t.due_at_ms) for t in tasks], self._now_ms())
                 return scheduled(tasks, done)
         else:
             batch.add_all(requests)
@@ -206,17 +206,22 @@ class Client(ScheduleCalls):
                     after_commit(conn, self._sync_keys, created=changed)
             return scheduled(tasks, done)
         # Row first: a row without a key is repaired by reconciliation; a key without a row
-        # would never run.
+        # would never run. Armed by the time after the write, not before it: a task that fell
+        # due while the ledger answered slowly is expired at once by its own lookup, rather
+        # than left to a wake message and the driver (or Redis's sweep, seconds among many
+        # keys) as one still in the future.
         keys = [t.key for t in tasks]
         if not rules:
             with saying_what_was_recorded(lambda: keys):
                 done = self.store.upsert_pending(tasks, now_ms)
-            self._arm([(t.key, t.due_at_ms) for t in tasks], now_ms)
+            self._arm([(t.key, t.due_at_ms) for t in tasks], self._now_ms())
         else:
             with saying_what_was_recorded(lambda: keys):
                 done = self.store.schedule(tasks, order, now_ms)
             pairs = zip(tasks, done, strict=True)
-            self._arm([(t.key, t.due_at_ms) for t, d in pairs if d[0] is not Did.KEPT], now_ms)
+            self._arm(
+                [(t.key, t.due_at_ms) for t, d in pairs if d[0] is not Did.KEPT], self._now_ms()
+            )
         return scheduled(tasks, done)
 
     # --- cancel / inspect ---------------------------------------------------------------------

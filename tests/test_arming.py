@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Any
+
 import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from keyexpiry import Client, TaskRequest
 from keyexpiry.bench.servers import wait_until
 from keyexpiry.keys import MAX_KEY_BYTES, wake_channel
 from keyexpiry.redis.arming import WAKE_MAX_BYTES, arm_keys, parse_wake
 from keyexpiry.redis.cluster import cluster_client, parse_cluster_url
 from keyexpiry.settings import Settings
+from tests.ke import make_settings
+from tests.sample_tasks import Probe
 
 
 @pytest.mark.parametrize("n", [3, 2500], ids=["pipeline", "script"])
@@ -213,3 +220,31 @@ def test_a_key_due_now_by_a_clock_ahead_of_redis_s_expires_at_once_not_at_redis_
         r.config_set("hz", hz)
         sub.close()
         r.close()
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["create", "create_many"])
+def test_a_task_falling_due_while_its_row_is_written_expires_when_the_create_returns(
+    redis_url: str, sqlite_url: str, tmp_path: Path, many: bool
+) -> None:
+    with Client(make_settings(redis_url, sqlite_url, tmp_path)) as client:
+        write = client.store.upsert_streamed if many else client.store.upsert_pending
+
+        def slow_write(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.1)  # a ledger that answers slowly (after a restart, say)
+            return write(*args, **kwargs)
+
+        r = redis.Redis.from_url(redis_url)
+        try:
+            setattr(client.store, write.__name__, slow_write)
+            before = _expired_total(r)
+            if many:
+                client.create_many(
+                    [TaskRequest(Probe.record, (f"slow{i}",), ttl_ms=20) for i in range(3)]
+                )
+            else:
+                client.create(Probe.record, "slow", ttl_ms=20)
+            # Expired by the create's own lookup, before anything looked the key up: no wait
+            # for a wake message to reach a driver, or for Redis's sweep.
+            assert _expired_total(r) - before == (3 if many else 1)
+        finally:
+            r.close()
