@@ -625,6 +625,10 @@ def test_the_latest_outside_starts_are_listed_and_unarmed_creates_counted_apart(
     assert [w["late_ms"] for w in latest[1:]] == [60] * 4
     assert latest[0]["created_after_due_ms"] == 170
     assert latest[0]["late_ms"] == 12770 and latest[0]["pid"] == PID_A
+    # Due from 100 s to 160 s: one interval of five minutes, all the outside starts in it.
+    assert [(b["from_s"], b["count"], b["max"]) for b in lateness["outside_by_interval"]] == [
+        (0, 51, 12770)
+    ]
 
 
 def test_tail_targets_name_each_kind_of_faults_worst_instance(rec: Recorder) -> None:

@@ -990,6 +990,9 @@ def summary(report: dict[str, Any]) -> str:
         f"  lateness inside faults:  {_pct(late['inside'])}",
     ]
     lines += [f"    {k:<16} {_pct(p)}" for k, p in late["inside_by_fault"].items()]
+    if late.get("outside_by_interval"):
+        p99s = " ".join(str(b["p99"]) for b in late["outside_by_interval"])
+        lines.append(f"  outside p99 per 5 minutes: {p99s}")
     if late.get("unarmed_creates", {}).get("count"):
         lines.append(f"  creates whose key was not set: {_pct(late['unarmed_creates'])}")
     for w in late.get("outside_latest", [])[:3]:

@@ -494,6 +494,9 @@ def percentiles(values: list[int]) -> dict[str, float | int | None]:
 
 _WORST_LISTED = 5
 """The latest first starts outside fault windows listed in the report, each with its task."""
+_INTERVAL_MS = 300_000
+"""Outside fault windows, lateness is also reported per this much of due time: a tail that
+grows as the run goes on reads differently from one spread evenly over it."""
 
 
 def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]:
@@ -504,6 +507,7 @@ def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]
     worst: dict[int, int] = {}
     """Per fault (position in `history.faults`), the latest first start its window met."""
     latest: list[tuple[int, int]] = []  # a heap of (lateness, task id) outside fault windows
+    outside_due: list[int] = []
     faults = history.faults
     for task in history.tasks.values():
         point = first_start_lateness(task)
@@ -521,6 +525,7 @@ def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]
         hit = windows.at(due_ms, due_ms + max(0, late_ms))
         if not hit:
             outside.append(late_ms)
+            outside_due.append(due_ms)
             if len(latest) < _WORST_LISTED:
                 heapq.heappush(latest, (late_ms, task.i))
             elif late_ms > latest[0][0]:
@@ -538,11 +543,25 @@ def _lateness_section(history: History, windows: FaultWindows) -> dict[str, Any]
         "outside_latest": [
             _latest_entry(history.tasks[i], late_ms) for late_ms, i in sorted(latest, reverse=True)
         ],
+        "outside_by_interval": _by_interval(outside_due, outside),
         "inside": percentiles(inside),
         "inside_by_fault": {k: percentiles(v) for k, v in sorted(by_kind.items())},
         "worst_by_fault": _worst_by_kind(faults, worst),
         "unarmed_creates": percentiles(unarmed),
     }
+
+
+def _by_interval(due_ms: list[int], late_ms: list[int]) -> list[dict[str, Any]]:
+    """Percentiles of `late_ms` per `_INTERVAL_MS` of due time from the first due."""
+    if not due_ms:
+        return []
+    first = min(due_ms)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for due, late in zip(due_ms, late_ms, strict=True):
+        groups[(due - first) // _INTERVAL_MS].append(late)
+    return [
+        {"from_s": k * _INTERVAL_MS // 1000, **percentiles(v)} for k, v in sorted(groups.items())
+    ]
 
 
 def _latest_entry(task: Task, late_ms: int) -> dict[str, Any]:
