@@ -229,22 +229,25 @@ def test_a_worker_is_lost_for_the_run_it_hung_on_not_for_the_one_after() -> None
 
 
 def test_a_worker_woken_past_enough_goes_back_to_sleep_once_the_others_take_runs() -> None:
-    # Their CPU time read off the clock: all on CPU, so two workers are enough.
-    with pool(ramp_ms=20, n=4, thread_cpu_s=time.monotonic) as p:
+    # Their CPU time read off the clock: all on CPU, so two workers are enough. A long ramp: a
+    # loaded machine's pauses (the suite runs in parallel) rarely reach it.
+    with pool(ramp_ms=100, n=4, thread_cpu_s=time.monotonic) as p:
         backlog_workers(p, 10, 0, spin_s=0.001)
         # Three runs that wait: the second wakes a worker after a ramp (one is not enough),
         # the third another after a ramp with no run taken (stuck, as the active ones look
         # while the claimer holds the GIL), and the quick runs behind them a fourth.
-        naps = [Job(f"nap{i}", nap_s=0.15) for i in range(3)]
+        naps = [Job(f"nap{i}", nap_s=0.5) for i in range(3)]
         p.put(*naps)
         wait_for(lambda: all(j.taken_by is not None for j in naps))
-        quick = [Job(f"q{i}", spin_s=0.001) for i in range(1000)]
+        quick = [Job(f"q{i}", spin_s=0.001) for i in range(3000)]
         p.put(*quick)
         wait_for(lambda: all(j.done.is_set() for j in naps))
         wait_for(lambda: all(j.done.is_set() for j in quick))
-        late = [j for j in quick if j.taken_s is not None and j.taken_s > naps[2].done_s]
+        last_nap_s = max(j.done_s for j in naps)
+        late = [j for j in quick if j.taken_s is not None and j.taken_s > last_nap_s]
         counts = sorted(sum(1 for j in late if j.taken_by == w) for w in p.workers)
-        # Back from their naps, all but one go back to sleep: two workers run the rest (a
-        # pause of the machine for a ramp may let the sentry take a run or two).
+        # Back from their naps, all but one go back to sleep: two workers run the rest (the
+        # tree before shared them four ways, ~25 % each). A pause of the machine for a ramp
+        # lets the sentry take a run now and then.
         assert len(late) > 100
-        assert sum(counts[:-2]) <= 10, counts
+        assert sum(counts[:-2]) <= len(late) // 10, counts
