@@ -161,3 +161,28 @@ def test_tasks_created_during_a_failover(
         assert all("recorded in the ledger" in e for e in creator.errors), creator.errors[:3]
         verdict.check(c, [*creator.created, *creator.refused], timeout_s=30)
     print(f"{len(creator.created)} creates returned, {len(creator.refused)} raised")
+
+
+def test_a_failover_of_a_live_master_is_at_rest_only_once_the_old_master_streams_from_the_new(
+    sentinel_factory: SentinelFactory,
+) -> None:
+    """The soak's failover ends when the group is at rest (`wait_settled`), not when the
+    sentinels switch: a master demoted alive answers `role:master` until a sentinel turns it
+    into a replica, seconds after the switch, and a `role:master` check (HAProxy) still
+    routes clients to it meanwhile."""
+    group = sentinel_factory()
+    old, new = group.master.port, group.replica.port
+    assert group.settled_master() == old
+    group.failover()  # SENTINEL FAILOVER: the old master is alive throughout
+    assert group.settled_master() is None, "at rest with a failover under way"
+    _wait_for_switch(group, (LOOPBACK, old))
+    client = group.master.client()
+    try:
+        # Between the switch and the conversion, two nodes say `role:master`: not at rest.
+        assert client.info("replication")["role"] == "master"
+        assert group.settled_master() is None
+        assert group.wait_settled(hold_s=0.5, timeout_s=40) == [new]
+        info = client.info("replication")
+        assert (info["role"], int(info["master_port"])) == ("slave", new)
+    finally:
+        client.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -20,7 +21,13 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from keyexpiry.bench.servers.process import LOOPBACK, _resolve_binary, free_port, wait_until
+from keyexpiry.bench.servers.process import (
+    LOOPBACK,
+    ServerError,
+    _resolve_binary,
+    free_port,
+    wait_until,
+)
 from keyexpiry.bench.servers.redis import RedisServer
 
 SERVICE = "keyexpiry"
@@ -170,6 +177,77 @@ class SentinelGroup:
             if address == (LOOPBACK, node.port):
                 return node
         raise AssertionError(f"no node of the group is at {address}")
+
+    def settled_master(self) -> int | None:
+        """The master's port once the group is at rest, else None: every running sentinel names
+        that master, sees it up and has no failover under way, and of the running data nodes it
+        is the only one that says `role:master`, the others streaming from it.
+
+        A failover's end as Sentinel announces it is not rest: a node demoted while alive (by a
+        second failover, or `SENTINEL FAILOVER`) says `role:master` until a sentinel turns it
+        into a replica, 8-10 s later, and a client routed by a `role:master` check (HAProxy)
+        may stay on it all that time, hearing none of the real master's expiries.
+        """
+        named: set[int] = set()
+        for sentinel in self.sentinels:
+            if not sentinel.running:
+                continue
+            client = self._admin(sentinel)
+            try:
+                master: Any = client.sentinel_master(self.service)
+            except redis.RedisError:
+                return None
+            finally:
+                client.close()
+            flags = master["flags"]
+            flags = flags if isinstance(flags, set) else set(str(flags).split(","))
+            if flags & {"s_down", "o_down", "failover_in_progress"}:
+                return None
+            named.add(int(master["port"]))
+        if len(named) != 1:
+            return None
+        (port,) = named
+        for node in self.nodes:
+            if not node.running:
+                continue
+            client = self._admin(node)
+            try:
+                info = client.info("replication")
+            except redis.RedisError:
+                return None
+            finally:
+                client.close()
+            streams = (info.get("role"), int(info.get("master_port", 0))) == ("slave", port)
+            if node.port == port:
+                if info.get("role") != "master":
+                    return None
+            elif not (streams and info.get("master_link_status") == "up"):
+                return None
+        return port
+
+    def wait_settled(self, hold_s: float, timeout_s: float = 60.0) -> list[int]:
+        """Wait until the group has been at rest (`settled_master`) under one master for
+        `hold_s`; returns each master it settled under, in order (more than one: Sentinel
+        failed over again meanwhile). Raises `ServerError` past `timeout_s`."""
+        masters: list[int] = []
+        since: float | None = None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            port = self.settled_master()
+            now = time.monotonic()
+            if port is None:
+                since = None
+            else:
+                if not masters or masters[-1] != port:
+                    masters.append(port)
+                    since = now
+                elif since is None:
+                    since = now
+                if now - since >= hold_s:
+                    return masters
+            if now > deadline:
+                raise ServerError(f"the Sentinel group did not settle in {timeout_s:g} s")
+            time.sleep(0.05)
 
     def failover(self) -> None:
         """`SENTINEL FAILOVER`: promote the replica without waiting for a quorum."""
