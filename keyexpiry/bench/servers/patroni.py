@@ -286,6 +286,9 @@ class PatroniNode(_ServerProcess):
                 "parameters": {
                     "unix_socket_directories": str(self.private_dir),
                     "fsync": "off",  # a test server: speed over a host crash's durability
+                    # Each autovacuum and autoanalyze in the log, as PostgresServer's: what the
+                    # server did in a slow stretch (the Patroni hour's first minute, 2026-12-06).
+                    "log_autovacuum_min_duration": 0,
                 },
                 "pg_hba": [*trust, "host replication all 127.0.0.1/32 trust"],
             },
