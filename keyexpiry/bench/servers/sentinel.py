@@ -210,13 +210,9 @@ class SentinelGroup:
         for node in self.nodes:
             if not node.running:
                 continue
-            client = self._admin(node)
-            try:
-                info = client.info("replication")
-            except redis.RedisError:
+            info = self._replication(node)
+            if info is None:
                 return None
-            finally:
-                client.close()
             streams = (info.get("role"), int(info.get("master_port", 0))) == ("slave", port)
             if node.port == port:
                 if info.get("role") != "master":
@@ -287,15 +283,20 @@ class SentinelGroup:
             decode_responses=True,
         )
 
-    def _replica_synced(self) -> bool:
-        client = self._admin(self.replica)
+    def _replication(self, node: RedisServer) -> dict[str, Any] | None:
+        """`INFO replication` of `node`, or None when it does not answer."""
+        client = self._admin(node)
         try:
-            info = client.info("replication")
+            info: dict[str, Any] = client.info("replication")
+            return info
         except redis.RedisError:
-            return False
+            return None
         finally:
             client.close()
-        return info.get("master_link_status") == "up"
+
+    def _replica_synced(self) -> bool:
+        info = self._replication(self.replica)
+        return info is not None and info.get("master_link_status") == "up"
 
     def _knows_group(self, sentinel: SentinelServer) -> bool:
         client = self._admin(sentinel)
