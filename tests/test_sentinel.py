@@ -19,6 +19,7 @@ from keyexpiry.bench.servers.sentinel import SentinelGroup, SentinelServer
 from keyexpiry.ledger.store import TaskStatus
 from keyexpiry.ops.doctor import run_checks
 from keyexpiry.redis.sentinel import (
+    SETTLE_S,
     MasterWatch,
     close_client,
     follows_sentinel,
@@ -135,6 +136,26 @@ def test_sentinels_know_the_replica_and_the_watch_sees_the_master(
         watch.check()
         assert switches == [1, 1]  # on a node that is not the master: move
         assert watch.switches == 0
+
+
+def test_a_switch_before_the_watch_first_asks_counts_and_brings_the_settled_reconcile(
+    sentinel_group: SentinelGroup, sqlite_url: str, tmp_path: Path
+) -> None:
+    # A `SENTINEL FAILOVER` is over before the watch's first poll (0.5 s after start): the
+    # subscription's node, not the watch's empty memory, is what the master is compared with.
+    moved: list[int] = []
+    settled: list[int] = []
+    with Client(make_settings(sentinel_group.url(), sqlite_url, tmp_path)) as c:
+        old = (LOOPBACK, sentinel_group.replica.port)  # as if the sentinels had just left it
+        watch = MasterWatch(
+            c.redis,
+            subscribed_node=lambda: old,
+            on_switch=lambda: moved.append(1),
+            on_settled=lambda: settled.append(1),
+        )
+        assert watch.check() == (LOOPBACK, sentinel_group.master.port)
+        assert (moved, watch.switches) == ([1], 1)
+        wait_until(lambda: watch.check() is not None and settled == [1], SETTLE_S + 5)
 
 
 def test_a_sentinel_down_is_skipped(

@@ -402,14 +402,19 @@ class MasterWatch:
             self._settle_at_s = None
             self._on_settled()
         node = self._subscribed_node()
-        if address != self.master:
-            if self.master is not None:
+        # Before its first answer the watch knows no master, but the subscription does: a
+        # switch between the subscription's connect and that answer (a `SENTINEL FAILOVER`
+        # takes well under the first interval) is a switch all the same, and must bring the
+        # settled reconciliation for keys set on the old master.
+        known = self.master if self.master is not None else node
+        if address != known:
+            if known is not None:
                 self.switches += 1
                 self._settle_at_s = monotonic_s() + SETTLE_S
                 logger.warning(
                     "the sentinels name a new master {}:{} (was {}:{}): moving the subscription",
                     *address,
-                    *self.master,
+                    *known,
                 )
             self.master = address
             if node != address:
