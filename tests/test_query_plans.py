@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from psycopg import ClientCursor
 from sqlalchemy import event, insert, text
 
 from keyexpiry.bench.ledger import QUERIES
@@ -514,6 +515,24 @@ def test_postgres_reads_use_an_index(pg_url: str) -> None:
     assert not problems, "\n".join(problems)
 
 
+def _pg_store_with_due_rows(pg_url: str, prefix: str, n: int) -> Store:
+    """A ledger on `pg_url` holding `n` pending rows due before NOW, keys `prefix@1` … `@n`,
+    written by one statement (no statistics taken)."""
+    store = Store(make_engine(pg_url))
+    store.create_schema()
+    cls, method = prefix.split("@")
+    with store.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO time_limit_task (task_key, class_name, method, args, status, "
+                "attempts, due_at_ms, created_at_ms, updated_at_ms) "
+                f"SELECT '{prefix}@' || g, '{cls}', '{method}', '[]', 'pending', 0, "
+                f"{NOW} - g, {NOW}, {NOW} FROM generate_series(1, {n}) AS g"
+            )
+        )
+    return store
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.xdist_group("heavy")
 def test_a_postgres_claim_finds_its_rows_by_key_whatever_the_backlog(pg_url: str) -> None:
@@ -521,17 +540,7 @@ def test_a_postgres_claim_finds_its_rows_by_key_whatever_the_backlog(pg_url: str
     statistics have not seen them: a claim of 256 of their keys must look those up, not walk
     every due row. (It walked all 30,000 on the `(status, due_at_ms, …)` index: a claim's cost
     grew with the backlog it was there to drain, and a wave ran at half MariaDB's rate.)"""
-    store = Store(make_engine(pg_url))
-    store.create_schema()
-    with store.engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO time_limit_task (task_key, class_name, method, args, status, "
-                "attempts, due_at_ms, created_at_ms, updated_at_ms) "
-                "SELECT 'Wave@m@' || g, 'Wave', 'm', '[]', 'pending', 0, "
-                f"{NOW} - g, {NOW}, {NOW} FROM generate_series(1, 30000) AS g"
-            )
-        )
+    store = _pg_store_with_due_rows(pg_url, "Wave@m", 30_000)
     keys = [f"Wave@m@{i}" for i in range(1, 257)]
     reads: dict[str, Callable[[], object]] = {
         "claim": lambda: store.claim(keys, now_ms=NOW, lease_until_ms=NOW + 1, token="x:1")
@@ -539,6 +548,69 @@ def test_a_postgres_claim_finds_its_rows_by_key_whatever_the_backlog(pg_url: str
     try:
         problems = _pg_plan_problems(store, reads)
     finally:
+        store.engine.dispose()
+    assert not problems, "\n".join(problems)
+
+
+def _numbered(statement: str) -> tuple[str, list[str]]:
+    """`statement`'s named parameters (psycopg's `%(name)s`) as PREPARE's `$1`, `$2`, …, and
+    the names in their order."""
+    names: list[str] = []
+
+    def number(m: re.Match[str]) -> str:
+        if m.group(1) not in names:
+            names.append(m.group(1))
+        return f"${names.index(m.group(1)) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, statement).replace("%%", "%"), names
+
+
+@pytest.mark.timeout(120)
+def test_a_new_postgres_ledger_keeps_key_lookups_in_its_cached_plans(pg_url: str) -> None:
+    """psycopg prepares a statement after five runs, and PostgreSQL may then keep one generic
+    plan for it for the connection's life. Made on a new ledger, never analyzed (taken for 10
+    pages), the claim's and the outcomes' generic plans were Seq Scans, and stayed so while the
+    table grew until the first autoanalyze (the Patroni soak's first minute). The pool those
+    statements run on must give them index lookups in their generic plans too."""
+    store = _pg_store_with_due_rows(pg_url, "Probe@record", 300)
+    reads: dict[str, Callable[[], object]] = {
+        "claim": lambda: store.claim(
+            ["Probe@record@7", "Probe@record@8"], now_ms=NOW, lease_until_ms=NOW + 1, token="x:1"
+        ),
+        "record": lambda: _claim_and_record(store),
+    }
+    assert store._autocommit is not None
+    problems: list[str] = []
+    raw = store._autocommit.raw_connection()  # with the pool's own session settings
+    try:
+        driver: Any = raw.driver_connection
+        driver.prepare_threshold = None
+        cur = raw.cursor()
+        # Values written into EXECUTE's arguments: the generic plan is the prepared text's.
+        literal = ClientCursor(driver)
+        for name, statement, params in _sent_statements(store, reads):
+            prepared, names = _numbered(statement)
+            cur.execute(f"PREPARE hot AS {prepared}")
+            cur.execute("SET plan_cache_mode = force_generic_plan")
+            args = ", ".join(["%s"] * len(names))
+            literal.execute(
+                f"EXPLAIN (FORMAT JSON) EXECUTE hot({args})", [params[n] for n in names]
+            )
+            ((explained,),) = literal.fetchall()
+            if isinstance(explained, str):
+                explained = json.loads(explained)
+            plan = explained[0]["Plan"]
+            problems += [
+                f"{name}: a generic plan reads the whole table: {statement}"
+                for node in _plan_nodes(plan)
+                if node["Node Type"] == "Seq Scan" and node.get("Relation Name") == T.name
+            ]
+            cur.execute("DEALLOCATE hot")
+            cur.execute("RESET plan_cache_mode")
+            raw.rollback()
+    finally:
+        raw.rollback()
+        raw.close()
         store.engine.dispose()
     assert not problems, "\n".join(problems)
 
