@@ -8,6 +8,8 @@ a task the ledger already recorded, and flags a retry that may have run a task t
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -124,3 +126,15 @@ def test_a_reschedule_retried_past_the_old_due_is_flagged(tmp_path: Path, out: s
     assert client.creates == 2
     (line,) = _lines(tmp_path)
     assert line["ambiguous"] is True
+
+
+def test_a_soak_stopped_by_sigterm_unwinds_as_on_ctrl_c() -> None:
+    # `Soak.run` runs inside it: its `finally` blocks stop the listeners and the servers. With
+    # SIGTERM's default action the process ended at once and they ran on.
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), soak.sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the handler runs between this thread's bytecodes
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGTERM) is before

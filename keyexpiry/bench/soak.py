@@ -644,7 +644,7 @@ class SoakRun:
     def run(self) -> dict[str, Any]:
         """Run the whole soak; returns the report (also written as `soak.json`)."""
         cfg = self.cfg
-        with self.servers() as (urls, db_urls):
+        with sigterm_as_interrupt(), self.servers() as (urls, db_urls):
             fleet = self.fleet = Fleet(self.run_dir, db_urls, urls, cfg, self.netns)
             settings = Settings(
                 redis_url=self.redis.url(), database_url=db_urls[-1], sentinel_count=0
@@ -946,6 +946,26 @@ class SoakRun:
         finally:
             engine.dispose()
         return f"keys NOT re-armed within {cap_s:g} s"
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within it, SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so a soak stopped by `kill`
+    stops its listeners and servers on the way out: a soak killed so left its three listeners
+    running (their own process groups), and they ran on through the next hour's soak. Outside
+    the main thread (no signal handlers there) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _commit() -> str | None:
