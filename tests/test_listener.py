@@ -370,8 +370,11 @@ def test_a_queued_claim_taken_over_while_its_lease_still_ran_is_not_run_a_second
     # their lease (30 s of grace by default). Resumed, the frozen listener started the runs
     # it had queued, on a lease that still looked long enough: each ran twice (the short
     # Cluster soak, SIGSTOP 6 s: 10 tasks).
+    # The blocker must hold the only worker until the takeover below: with a 1 s handler
+    # timeout the watchdog freed the worker as the takeover came, and on a loaded machine the
+    # queued run started, rightly, just before it (CI, 2026-12-06: run twice).
     cfg = settings.replace(
-        concurrency=1, handler_timeout_s=1.0, lease_grace_s=30.0, takeover_after_s=1.0
+        concurrency=1, handler_timeout_s=10.0, lease_grace_s=30.0, takeover_after_s=1.0
     )
     running = start_listener(cfg)
     blocker = client.create("Probe.wait", "taken", ttl_ms=0)
