@@ -211,10 +211,17 @@ def _soak_section() -> list[str]:
     from keyexpiry.bench.soak import markdown
 
     try:
-        return [markdown(json.loads(path.read_text()), "soak"), ""]
+        section = markdown(json.loads(path.read_text()), "soak")
     except (ValueError, KeyError, TypeError) as exc:
         # The fault suite's table must still be written: say what is wrong with the soak's.
         return [f"(docs/soak/soak.json could not be shown: {exc!r})", ""]
+    hours = SOAK_DIR / "hours.md"
+    if hours.exists():
+        # Written by hand (every topology's hours, which one is shown): kept under the heading
+        # when the section is built again, where an edit of RELIABILITY.md itself was lost.
+        heading, _, rest = section.partition("\n\n")
+        section = f"{heading}\n\n{hours.read_text().strip()}\n\n{rest}"
+    return [section, ""]
 
 
 def render(rows: Sequence[Row]) -> str:

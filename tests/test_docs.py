@@ -81,3 +81,14 @@ def test_make_dist_builds_a_wheel_and_readme_says_how_to_install_it() -> None:
     assert "make dist" in README
     # Not on a package index yet: README must not tell users to install it from one.
     assert not re.search(r"pip install keyexpiry(?![\[\w/.-])", README)
+
+
+def test_reliability_shows_the_soak_section_as_make_reliability_builds_it() -> None:
+    # An edit of docs/RELIABILITY.md's soak section itself is lost at the next `make
+    # reliability`; hand-written text goes in docs/soak/hours.md, which the build keeps.
+    from tests.reliability import SOAK_DIR, _soak_section
+
+    section = "\n".join(_soak_section()).strip()
+    assert section in (ROOT / "docs" / "RELIABILITY.md").read_text()
+    hours = (SOAK_DIR / "hours.md").read_text().strip()
+    assert section.split("\n\n")[1] == hours.split("\n\n")[0]
