@@ -280,6 +280,8 @@ COLUMNS = (
     "worker_rss_sum_mb",
     "listener_cpu_s",
     "listener_rss_mb",
+    "ledger_cpu_us_per_task",
+    "ledger_wal_bytes_per_task",
     "rate_vs_one",
     "cpu_vs_one",
     "single_per_s",

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
+from sqlalchemy import text
 
 from keyexpiry import Client, TaskRequest
 from keyexpiry.bench.harness import (
@@ -113,6 +114,9 @@ def due_wave(
             settled_s = wait_reconciled(settle_port, cap_s=1800)
         if listeners > 1:
             _wait_sharing(client, listeners)
+        ledger_pid = _ledger_pid(srv, _backend_of(db_url))
+        ledger_cpu_s = _server_cpu_s(ledger_pid) if ledger_pid else 0.0
+        wal_lsn = _wal_lsn(client)
         first_due = client.clock.now_ms() + int(lead_s * 1000)
         create_s = _create_wave(client, n, first_due, int(span_s * 1000), payload)
         # Above 0 the wave was still being created when it fell due: raise lead_s.
@@ -120,6 +124,13 @@ def due_wave(
         wait_s = max(0.0, (first_due - client.clock.now_ms()) / 1000)
         # Only the wave's rows: the ledger scenario starts with millions of done rows.
         waited = wait_done(client, n, cap_s=wait_s + span_s + cap_s, key_like=NOOP)
+        ledger_figures = {}
+        if ledger_pid:
+            ledger_figures["ledger_cpu_us_per_task"] = round(
+                (_server_cpu_s(ledger_pid) - ledger_cpu_s) / n * 1e6
+            )
+        if wal_lsn is not None:
+            ledger_figures["ledger_wal_bytes_per_task"] = round(_wal_since(client, wal_lsn) / n)
         cpu_s = sum(p.cpu_since_start() for p in procs)
         thread_cpu: dict[str, float] = {}
         switches: dict[str, int] = {}
@@ -142,6 +153,7 @@ def due_wave(
             listeners=listeners,
             max_attempts=_max_attempts(client),
             throttled_s=round(sum(p.throttled_s() for p in procs), 2),
+            **ledger_figures,
         )
         if settled_s is not None:
             figures["full_pass_s"] = settled_s
@@ -219,6 +231,28 @@ def _server_cpu_s(pid: int) -> float:
             times = proc.cpu_times()
             total += times.user + times.system
     return total
+
+
+def _backend_of(db_url: str) -> str:
+    """The bench backend name of a ledger URL."""
+    scheme = db_url.split(":", 1)[0].split("+", 1)[0]
+    return {"mysql": "mariadb", "postgresql": "postgres"}.get(scheme, scheme)
+
+
+def _wal_lsn(client: Client) -> str | None:
+    """PostgreSQL: where its write-ahead log is now (None on another ledger)."""
+    if not client.store.postgres:
+        return None
+    with client.store.engine.connect() as conn:
+        return str(conn.execute(text("SELECT pg_current_wal_lsn()")).scalar_one())
+
+
+def _wal_since(client: Client, lsn: str) -> int:
+    """Bytes of write-ahead log the PostgreSQL ledger's server wrote since `lsn` (every
+    database of it: the benchmark's server serves one at a time)."""
+    with client.store.engine.connect() as conn:
+        since = text("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), CAST(:lsn AS pg_lsn))")
+        return int(conn.execute(since, {"lsn": lsn}).scalar_one())
 
 
 def _ledger_pid(srv: Servers, backend: str) -> int | None:
