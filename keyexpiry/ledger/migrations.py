@@ -20,13 +20,7 @@ from loguru import logger
 from sqlalchemy import Column, Connection, Index, Integer, MetaData, Table, inspect, text
 from sqlalchemy.schema import CreateColumn, CreateIndex
 
-from keyexpiry.ledger.table import (
-    RETIRED_INDEXES,
-    T,
-    index_on,
-    index_replacing,
-    metadata,
-)
+from keyexpiry.ledger.table import RETIRED_INDEXES, T, index_on, metadata
 
 
 def missing_columns(conn: Connection, table: Table) -> list[Column[object]]:
@@ -153,23 +147,21 @@ def drop_invalid_indexes(conn: Connection, meta: MetaData = metadata) -> list[st
     return dropped
 
 
-def drop_retired_indexes(conn: Connection, *, concurrently: bool = False) -> list[str]:
-    """Drop each index of `time_limit_task` named in `RETIRED_INDEXES` whose replacement on this
-    engine (`index_replacing`) the table has; return the names dropped. Dropping a secondary
-    index is quick on InnoDB (in place, no copy) and SQLite; rows are untouched. PostgreSQL with
-    `concurrently` (`conn` in autocommit): DROP INDEX CONCURRENTLY, which lets reads and writes
-    go on."""
+def drop_retired_indexes(conn: Connection, retired: dict[str, str] | None = None) -> list[str]:
+    """Drop each index of `time_limit_task` named in `retired` (default `RETIRED_INDEXES`) whose
+    replacement the table has; return the names dropped. Dropping a secondary index is quick on
+    InnoDB (in place, no copy) and SQLite; rows are untouched."""
+    retired = RETIRED_INDEXES if retired is None else retired
     insp = inspect(conn)
     if not insp.has_table(T.name):
         return []
     present = {i["name"] for i in insp.get_indexes(T.name)}
     dropped: list[str] = []
-    for name in sorted(RETIRED_INDEXES):
-        if name in present and index_replacing(name, conn.dialect) in present:
+    for name, replacement in sorted(retired.items()):
+        if name in present and replacement in present:
             quote = conn.dialect.identifier_preparer.quote
             # MySQL/MariaDB name an index within its table; SQLite and PostgreSQL, the schema.
             on_table = f" ON {quote(T.name)}" if conn.dialect.name in ("mysql", "mariadb") else ""
-            how = "CONCURRENTLY IF EXISTS " if concurrently else ""
-            conn.execute(text(f"DROP INDEX {how}{quote(name)}{on_table}"))
+            conn.execute(text(f"DROP INDEX {quote(name)}{on_table}"))
             dropped.append(name)
     return dropped

@@ -151,12 +151,8 @@ class Store(
                 for name in built:
                     logger.info("ledger upgraded: built index {}", name)
                 if all_indexes:
-                    # PostgreSQL: concurrently, outside a transaction, as the builds (a plain
-                    # DROP INDEX waits for the table's every reader and writer, and every new
-                    # one waits behind it).
-                    dropping = self._statements() if self.postgres else self._tx()
-                    with self._schema_lock, dropping as conn:
-                        for name in drop_retired_indexes(conn, concurrently=self.postgres):
+                    with self._schema_lock, self._tx() as conn:
+                        for name in drop_retired_indexes(conn):
                             logger.info("ledger upgraded: dropped index {}, no longer used", name)
                 if deferred:
                     logger.warning(

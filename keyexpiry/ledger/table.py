@@ -31,25 +31,9 @@ from keyexpiry.tags import TAG_MAX_CHARS
 TABLE_NAME = "time_limit_task"
 metadata = MetaData()
 
-
-def _not_postgres(engine: str) -> bool:
-    return engine != "postgresql"
-
-
-def _postgres(engine: str) -> bool:
-    return engine == "postgresql"
-
-
 _ENGINE_INDEXES: dict[str, Callable[[str], bool]] = {
-    "ix_time_limit_task_status_attempts": _not_postgres,
-    "ix_time_limit_task_retrying": _postgres,
-    # PostgreSQL has the partial versions of these three (below).
-    "ix_time_limit_task_status_lease": _not_postgres,
-    "ix_time_limit_task_status_finished": _not_postgres,
-    "ix_time_limit_task_tag": _not_postgres,
-    "ix_time_limit_task_leased": _postgres,
-    "ix_time_limit_task_finished": _postgres,
-    "ix_time_limit_task_tagged": _postgres,
+    "ix_time_limit_task_status_attempts": lambda engine: engine != "postgresql",
+    "ix_time_limit_task_retrying": lambda engine: engine == "postgresql",
 }
 """Indexes only some engines have, by name: which (by dialect name)."""
 
@@ -59,12 +43,6 @@ def index_on(name: str, dialect: Dialect | str) -> bool:
     engine = dialect if isinstance(dialect, str) else dialect.name
     only_on = _ENGINE_INDEXES.get(name)
     return only_on is None or only_on(engine)
-
-
-def _on_engines(index: Index) -> Index:
-    """`index`, created only on the engines `_ENGINE_INDEXES` gives it."""
-    name = str(index.name)
-    return index.ddl_if(callable_=lambda *_, dialect, **__: index_on(name, dialect))
 
 
 # Keys are escaped to printable ASCII; a binary ASCII collation keeps them case-sensitive and lets
@@ -133,64 +111,35 @@ time_limit_task = Table(
     Column("schedule_name", _SCHEDULE_NAME_TYPE, nullable=True),
     # Running rows by lease (expired leases); a dead listener's runs are a filter on this range,
     # which holds only the fleet's runs in flight.
-    _on_engines(Index("ix_time_limit_task_status_lease", "status", "lease_until_ms")),
+    Index("ix_time_limit_task_status_lease", "status", "lease_until_ms"),
     # Added after the table: keyexpiry.ledger.migrations builds them in an existing one.
     # Every read of one status in due order (the listener's, reconciliation's, the lists'), and
     # reconciliation's walk over pending keys off this index alone (no row lookups).
     Index("ix_time_limit_task_status_due_key", "status", "due_at_ms", "task_key", "attempts"),
     # The dashboard's retrying list: pending rows that failed, without walking every pending row.
-    _on_engines(Index("ix_time_limit_task_status_attempts", "status", "attempts", "due_at_ms")),
+    Index("ix_time_limit_task_status_attempts", "status", "attempts", "due_at_ms").ddl_if(
+        callable_=lambda *_, dialect, **__: index_on("ix_time_limit_task_status_attempts", dialect)
+    ),
     # The same on PostgreSQL, a partial index of those rows alone: the planner took the one above
     # for pending counts by due time (walking every pending row, `attempts` between) and read the
     # retrying list in due order off the main index, skipping the rows that never failed.
-    _on_engines(
-        Index(
-            "ix_time_limit_task_retrying",
-            "due_at_ms",
-            "task_key",
-            postgresql_where=text(f"status = '{TaskStatus.PENDING.value}' AND attempts > 0"),
-        )
-    ),
-    # Retention and the dead-task counts: finished rows by finish time (and class), index-only.
-    _on_engines(
-        Index("ix_time_limit_task_status_finished", "status", "finished_at_ms", "class_name")
+    Index(
+        "ix_time_limit_task_retrying",
+        "due_at_ms",
+        "task_key",
+        postgresql_where=text(f"status = '{TaskStatus.PENDING.value}' AND attempts > 0"),
+    ).ddl_if(callable_=lambda *_, dialect, **__: index_on("ix_time_limit_task_retrying", dialect)),
+    # Retention and the dead-task counts: finished rows by finish time (and class), index-only
+    # (on PostgreSQL with the id included: its secondary indexes do not hold the primary key).
+    Index(
+        "ix_time_limit_task_status_finished",
+        "status",
+        "finished_at_ms",
+        "class_name",
+        postgresql_include=["id"],
     ),
     # A tag's rows by due time: `list --tag` reads them in order, `cancel_tag` finds them.
-    _on_engines(Index("ix_time_limit_task_tag", "tag", "due_at_ms")),
-    # PostgreSQL's versions of the three above hold only the rows their reads can find: those
-    # with a lease (running), a finish time, a tag. An UPDATE of `status` is never HOT, so each
-    # claim and each outcome wrote an entry in every index, and most rows have none of the three
-    # (a pending row none, a running one no finish time and most no tag): 27 % less WAL per
-    # task's create, claim, outcome and deletion (what a standby replays). Every read of them
-    # compares the column (`lease_until_ms < now`, `tag = …`), which implies IS NOT NULL in a
-    # generic plan too; MySQL has no partial indexes.
-    _on_engines(
-        Index(
-            "ix_time_limit_task_leased",
-            "status",
-            "lease_until_ms",
-            postgresql_where=text("lease_until_ms IS NOT NULL"),
-        )
-    ),
-    # With the id included: PostgreSQL's secondary indexes do not hold the primary key.
-    _on_engines(
-        Index(
-            "ix_time_limit_task_finished",
-            "status",
-            "finished_at_ms",
-            "class_name",
-            postgresql_include=["id"],
-            postgresql_where=text("finished_at_ms IS NOT NULL"),
-        )
-    ),
-    _on_engines(
-        Index(
-            "ix_time_limit_task_tagged",
-            "tag",
-            "due_at_ms",
-            postgresql_where=text("tag IS NOT NULL"),
-        )
-    ),
+    Index("ix_time_limit_task_tag", "tag", "due_at_ms"),
     UniqueConstraint("task_key", name="uq_time_limit_task_key"),
     mysql_engine="InnoDB",
     mysql_charset="utf8mb4",
@@ -203,24 +152,9 @@ RETIRED_INDEXES: dict[str, str] = {
     "ix_time_limit_task_status_due": "ix_time_limit_task_status_due_key",
     # Only running rows are looked up by claim, and they are the lease index's range.
     "ix_time_limit_task_claimed_by": "ix_time_limit_task_status_lease",
-    # PostgreSQL's partial versions (`_ENGINE_INDEXES`): the full ones stay on MySQL and SQLite,
-    # where these never exist.
-    "ix_time_limit_task_status_lease": "ix_time_limit_task_leased",
-    "ix_time_limit_task_status_finished": "ix_time_limit_task_finished",
-    "ix_time_limit_task_tag": "ix_time_limit_task_tagged",
 }
 """Indexes of older keyexpiry versions that no query needs any more, each with the index that
 replaced it: `keyexpiry init-db` drops one once its replacement exists (each costs every write)."""
-
-
-def index_replacing(name: str, dialect: Dialect | str) -> str | None:
-    """The index that stands for retired index `name` on `dialect`'s engine: its replacement,
-    or that one's where the engine does not have it (None: `name` is not retired)."""
-    replacement = RETIRED_INDEXES.get(name)
-    while replacement is not None and not index_on(replacement, dialect):
-        replacement = RETIRED_INDEXES.get(replacement)
-    return replacement
-
 
 LISTENER_TABLE = "keyexpiry_listener"
 keyexpiry_listener = Table(

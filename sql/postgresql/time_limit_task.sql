@@ -10,12 +10,6 @@
 -- Upgrading a table created before recurring schedules (keyexpiry init-db does this, and creates
 -- keyexpiry_schedule: sql/postgresql/keyexpiry_schedule.sql):
 --   ALTER TABLE time_limit_task ADD COLUMN schedule_name VARCHAR(200) COLLATE "C" NULL;
--- Upgrading a table with the full lease, finished and tag indexes of keyexpiry before 2026-12
--- (keyexpiry init-db does this: it builds the partial ones below concurrently, then drops these):
---   DROP INDEX CONCURRENTLY IF EXISTS ix_time_limit_task_status_lease;
---   DROP INDEX CONCURRENTLY IF EXISTS ix_time_limit_task_status_finished;
---   DROP INDEX CONCURRENTLY IF EXISTS ix_time_limit_task_tag;
--- once the CREATE INDEX CONCURRENTLY IF NOT EXISTS of each of the three below has finished.
 --
 -- Run it in the database the ledger URL names, as a role that owns the tables (or has SELECT,
 -- INSERT, UPDATE, DELETE on them and USAGE on the id sequence).
@@ -46,13 +40,9 @@ CREATE TABLE IF NOT EXISTS time_limit_task (
     PRIMARY KEY (id),
     CONSTRAINT uq_time_limit_task_key UNIQUE (task_key)
 );
--- the listener claims by key; running rows by lease (and a dead listener's among them): only
--- rows with a lease (the running ones), as the finished and tagged indexes below hold only rows
--- with a finish time and a tag. An UPDATE of `status` is never HOT, so every claim and outcome
--- writes an entry in each index whose condition its row meets: most rows meet none of the three
--- (27 % less WAL per task than full indexes). sql/time_limit_task.sql (MySQL) has them in full.
-CREATE INDEX IF NOT EXISTS ix_time_limit_task_leased
-    ON time_limit_task (status, lease_until_ms) WHERE lease_until_ms IS NOT NULL;
+-- the listener claims by key; running rows by lease (and a dead listener's among them)
+CREATE INDEX IF NOT EXISTS ix_time_limit_task_status_lease
+    ON time_limit_task (status, lease_until_ms);
 -- every read of one status in due order; reconciliation's walk over pending keys reads this
 -- index alone (an index-only scan where the visibility map allows)
 CREATE INDEX IF NOT EXISTS ix_time_limit_task_status_due_key
@@ -63,9 +53,8 @@ CREATE INDEX IF NOT EXISTS ix_time_limit_task_retrying
     ON time_limit_task (due_at_ms, task_key) WHERE status = 'pending' AND attempts > 0;
 -- retention and the dead-task counts: finished rows by finish time (and class), index-only
 -- with the id included
-CREATE INDEX IF NOT EXISTS ix_time_limit_task_finished
-    ON time_limit_task (status, finished_at_ms, class_name) INCLUDE (id)
-    WHERE finished_at_ms IS NOT NULL;
+CREATE INDEX IF NOT EXISTS ix_time_limit_task_status_finished
+    ON time_limit_task (status, finished_at_ms, class_name) INCLUDE (id);
 -- a tag's rows by due time
-CREATE INDEX IF NOT EXISTS ix_time_limit_task_tagged
-    ON time_limit_task (tag, due_at_ms) WHERE tag IS NOT NULL;
+CREATE INDEX IF NOT EXISTS ix_time_limit_task_tag
+    ON time_limit_task (tag, due_at_ms);
