@@ -615,6 +615,43 @@ def test_a_new_postgres_ledger_keeps_key_lookups_in_its_cached_plans(pg_url: str
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.timeout(120)
+def test_postgres_claims_and_outcomes_run_on_one_generic_plan(pg_url: str) -> None:
+    """psycopg prepares a statement after five runs; left to choose, PostgreSQL judged the
+    claim's generic plan dearer than its custom ones and planned every claim again, most of a
+    claim's server time. The claims and outcomes of the pool they run on must use the one
+    generic plan from the first prepared run on (none planned for its values)."""
+    store = _pg_store_with_due_rows(pg_url, "Probe@record", 300)
+    try:
+        for i in range(1, 13):
+            token = f"x:{i}"
+            (row,) = store.claim(
+                [f"Probe@record@{i}"], now_ms=NOW, lease_until_ms=NOW + 1000, token=token
+            )
+            done = Outcome(row.id, row.key, token, TaskStatus.DONE, NOW, row.due_at_ms, None)
+            assert store.record([done], NOW) == 1
+        assert store._autocommit is not None
+        # One connection served every call (one at a time): its prepared statements are theirs.
+        assert store._autocommit.pool.checkedin() == 1  # type: ignore[attr-defined]
+        with store._autocommit.connect() as conn:
+            plans = conn.execute(
+                text(
+                    "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+                    " WHERE statement LIKE '%time_limit_task%'"
+                )
+            ).all()
+    finally:
+        store.engine.dispose()
+    kinds = {"claim": "UNION ALL", "outcome": "unnest"}
+    for kind, sign in kinds.items():
+        found = [
+            p for p in plans if sign in p.statement and "UPDATE time_limit_task" in p.statement
+        ]
+        assert found, f"no prepared {kind} statement among {[p.statement[:60] for p in plans]}"
+        for p in found:
+            assert (p.custom_plans, p.generic_plans > 0) == (0, True), f"{kind}: {p}"
+
+
 def _pg_plan_problems(
     store: Store, reads: dict[str, Callable[[], object]] | None = None
 ) -> list[str]:
