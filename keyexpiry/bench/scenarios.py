@@ -114,7 +114,7 @@ def due_wave(
             settled_s = wait_reconciled(settle_port, cap_s=1800)
         if listeners > 1:
             _wait_sharing(client, listeners)
-        ledger_pid = _ledger_pid(srv, _backend_of(db_url))
+        ledger_pid = _ledger_pid(srv, _BACKENDS.get(client.store.engine.dialect.name, ""))
         ledger_cpu_s = _server_cpu_s(ledger_pid) if ledger_pid else 0.0
         wal_lsn = _wal_lsn(client)
         first_due = client.clock.now_ms() + int(lead_s * 1000)
@@ -233,10 +233,8 @@ def _server_cpu_s(pid: int) -> float:
     return total
 
 
-def _backend_of(db_url: str) -> str:
-    """The bench backend name of a ledger URL."""
-    scheme = db_url.split(":", 1)[0].split("+", 1)[0]
-    return {"mysql": "mariadb", "postgresql": "postgres"}.get(scheme, scheme)
+_BACKENDS = {"mysql": "mariadb", "mariadb": "mariadb", "postgresql": "postgres"}
+"""The benchmark's backend name of a ledger's SQLAlchemy dialect (SQLite's is this process)."""
 
 
 def _wal_lsn(client: Client) -> str | None:
