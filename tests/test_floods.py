@@ -87,6 +87,10 @@ def _lateness_ms(c: Client, keys: list[str]) -> list[int | None]:
     ]
 
 
+# 80,000 events a second for 5 s takes a core: two of these at once on other workers (seen in
+# `make test`) left each subscriber 10 s and more behind at the flood's end, so they run one after
+# another, with the suite's other heavy tests.
+@pytest.mark.xdist_group("heavy")
 def test_a_flood_of_forged_expired_events_does_not_hold_due_tasks_back(
     redis_factory: RedisFactory,
     db_url: str,
@@ -126,7 +130,8 @@ def test_a_flood_of_forged_expired_events_does_not_hold_due_tasks_back(
         assert max(late_ms) < 3000, late_ms
         # The subscriber kept up: every event was read on one connection, none lost to a cut.
         assert listener.gaps == 0
-        wait_until(lambda: listener.events >= flood.sent, 10)
+        # Reading the backlog Redis holds for it may take a starved subscriber seconds more.
+        wait_until(lambda: listener.events >= flood.sent, 30)
         # Counted, where an operator sees them (one line said so).
         ignored = _ignored(listener)
         assert ignored["no_row"] > 0 and ignored["intake_full"] > 0, ignored
