@@ -110,3 +110,36 @@ print("ok")
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_with_the_api_but_no_tracer_provider_no_span_is_made() -> None:
+    # OpenTelemetry's API installed without an SDK configured: the proxy tracer's no-op span
+    # cost every claim; none is made until the application sets a provider, then spans are.
+    code = """
+import contextlib
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from keyexpiry import tracing
+made = []
+class Counting:
+    def start_as_current_span(self, *args, **kwargs):
+        made.append(args[0])
+        return contextlib.nullcontext()
+tracing._otel()
+tracing._tracer = Counting()
+assert tracing.run_span("A.m", "A@m", 1, 5, None) is contextlib.nullcontext
+with tracing.span("keyexpiry.claim"):
+    pass
+assert made == [], made
+trace.set_tracer_provider(TracerProvider())
+with tracing.span("keyexpiry.claim"):
+    pass
+with tracing.run_span("A.m", "A@m", 1, 5, None)():
+    pass
+assert made == ["keyexpiry.claim", "run A.m"], made
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +38,58 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     Path(_DIR).mkdir(parents=True, exist_ok=True)
     with open(Path(_DIR) / f"{worker}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
+
+
+def read(directory: Path) -> list[dict[str, Any]]:
+    """The lines every worker of a run wrote to `directory`."""
+    return [json.loads(line) for f in sorted(directory.glob("*.jsonl")) for line in f.open()]
+
+
+def summary(lines: list[dict[str, Any]]) -> list[str]:
+    """Per worker: tests, busy seconds, seconds waited for a slot, when it ended."""
+    t0 = min(r["start_s"] for r in lines)
+    t1 = max(r["end_s"] for r in lines)
+    out = [f"{len(lines)} tests in {t1 - t0:.0f} s"]
+    workers: dict[str, list[dict[str, Any]]] = {}
+    for r in lines:
+        workers.setdefault(r["worker"], []).append(r)
+    for name, rows in sorted(workers.items()):
+        busy_s = sum(r["end_s"] - r["start_s"] for r in rows)
+        wait_s = sum(r["slot_wait_s"] for r in rows)
+        end_s = max(r["end_s"] for r in rows) - t0
+        out.append(
+            f"{name}: {len(rows)} tests, busy {busy_s:.0f} s of which {wait_s:.0f} s waiting "
+            f"for a fault slot, done at {end_s:.0f} s"
+        )
+    return out
+
+
+def durations(lines: list[dict[str, Any]], min_s: float = 0.5) -> dict[str, float]:
+    """Each test's own time (its slot wait left out) by node id without its xdist group, for
+    tests that took at least `min_s` (tests/slots.py spreads the fault scenarios by them)."""
+    own = {r["test"].split("@", 1)[0]: r["end_s"] - r["start_s"] - r["slot_wait_s"] for r in lines}
+    return {test: round(s, 1) for test, s in sorted(own.items()) if s >= min_s}
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tests.timeline <dir> [--durations]`: sum up a run's timeline; with
+    `--durations`, also write its durations to tests/durations.json."""
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m tests.timeline <dir> [--durations]", file=sys.stderr)
+        return 2
+    lines = read(Path(argv[0]))
+    if not lines:
+        print(f"no timeline in {argv[0]}", file=sys.stderr)
+        return 1
+    print("\n".join(summary(lines)))
+    if "--durations" in argv[1:]:
+        from tests.slots import DURATIONS
+
+        found = durations(lines)
+        DURATIONS.write_text(json.dumps(found, indent=0, sort_keys=True) + "\n")
+        print(f"{len(found)} durations written to {DURATIONS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
