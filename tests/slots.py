@@ -131,12 +131,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def expected_durations() -> dict[str, float]:
     """Seconds each test took in a recent run (those of half a second or more), by node id
-    without its xdist group; empty if durations.json is missing or unreadable."""
+    without its xdist group (`ungrouped_id`); empty if durations.json is missing or unreadable."""
     try:
         durations = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
         return {}
     return {str(k): float(v) for k, v in durations.items()} if isinstance(durations, dict) else {}
+
+
+def ungrouped_id(nodeid: str) -> str:
+    """`nodeid` without the `@<group>` pytest-xdist's loadgroup appends to a grouped test's id.
+    A parameter may hold an `@` too (`[sqlite-os@system@ls-...]`): a group's suffix is what
+    follows the last `@` when it holds neither `]` nor `::`."""
+    head, at, tail = nodeid.rpartition("@")
+    return head if at and "]" not in tail and "::" not in tail else nodeid
 
 
 def spread_by_time(
@@ -149,10 +157,10 @@ def spread_by_time(
     median of the known takers (a taker) or `QUICK_S` (any other)."""
 
     def base(item: T) -> str:
-        return str(getattr(item, "nodeid", item)).split("@", 1)[0]
+        return ungrouped_id(str(getattr(item, "nodeid", item)))
 
     def grouped(item: T) -> bool:
-        return "@" in str(getattr(item, "nodeid", item))
+        return base(item) != str(getattr(item, "nodeid", item))
 
     first = [i for i in items if grouped(i)]
     takers = [i for i in items if not grouped(i) and takes_a_slot(i)]

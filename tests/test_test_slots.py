@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.slots import QUICK_S, expected_durations, spread_by_time
+from tests.slots import QUICK_S, expected_durations, spread_by_time, ungrouped_id
 
 
 def _is_fault(name: str) -> bool:
@@ -41,3 +41,15 @@ def test_the_committed_durations_are_read() -> None:
     # A missing or broken file would spread the takers by defaults alone, unseen.
     assert len(durations) > 100
     assert all(s >= 0.5 for s in durations.values())
+
+
+def test_a_group_suffix_is_told_from_an_at_sign_in_a_parameter() -> None:
+    assert ungrouped_id("tests/a.py::test_x@heavy") == "tests/a.py::test_x"
+    assert ungrouped_id("tests/a.py::test_x[sqlite-2]@heavy") == "tests/a.py::test_x[sqlite-2]"
+    key = "tests/a.py::test_x[sqlite-os@system@ls-args6]"
+    assert ungrouped_id(key) == key
+    assert ungrouped_id(key + "@heavy") == key
+    assert ungrouped_id("tests/a.py::test_x") == "tests/a.py::test_x"
+    # A parameter with `@` is not mistaken for a grouped test: it keeps its place.
+    items = ["f1", key, "o1"]
+    assert spread_by_time(items, lambda i: i.startswith("f"), {"f1": 1.0}) == items

@@ -67,7 +67,9 @@ def summary(lines: list[dict[str, Any]]) -> list[str]:
 def durations(lines: list[dict[str, Any]], min_s: float = 0.5) -> dict[str, float]:
     """Each test's own time (its slot wait left out) by node id without its xdist group, for
     tests that took at least `min_s` (tests/slots.py spreads the fault scenarios by them)."""
-    own = {r["test"].split("@", 1)[0]: r["end_s"] - r["start_s"] - r["slot_wait_s"] for r in lines}
+    from tests.slots import ungrouped_id
+
+    own = {ungrouped_id(r["test"]): r["end_s"] - r["start_s"] - r["slot_wait_s"] for r in lines}
     return {test: round(s, 1) for test, s in sorted(own.items()) if s >= min_s}
 
 

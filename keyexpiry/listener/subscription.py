@@ -6,6 +6,7 @@ reconciliation: whatever expired meanwhile is found in the ledger.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,11 @@ from keyexpiry.threads import Backoff, ThreadErrors
 
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 _MAX_MESSAGES_PER_STEP = 5000
+_REST_OF_MESSAGE_S = 0.2
+"""How long `_drain` waits for the rest of a message whose first bytes it has read: then it
+leaves the part it has to the next read, and the PING probe judges the link (`_probe`)."""
+_READ_TAKES_TIMEOUT = "timeout" in inspect.signature(redis.Connection.read_response).parameters
+"""redis-py 5.1 and later: a read may wait less than the connection's socket timeout."""
 _MESSAGE_TYPES = ("message", "smessage")
 """Published messages: `smessage` is the wake channel's on a cluster (sharded pub/sub)."""
 PROBE_IDLE_S = 0.5
@@ -319,7 +325,19 @@ class Subscription:
         while count < _MAX_MESSAGES_PER_STEP and conn.can_read(timeout=0):
             # push_request: hiredis hands pub/sub messages over as push replies; without it
             # redis-py passes them to its push handler and blocks reading the next one.
-            reply = conn.read_response(push_request=True)
+            # A bounded read: `can_read` says yes as soon as any new bytes came, and the
+            # subscriber has no socket timeout, so a stream that stopped half-way through a
+            # message held this thread (and with it the probe, and the rebuild the canary asks
+            # for) until the rest came, were it minutes.
+            if _READ_TAKES_TIMEOUT:
+                try:
+                    reply = conn.read_response(
+                        push_request=True, timeout=_REST_OF_MESSAGE_S, disconnect_on_error=False
+                    )
+                except redis.TimeoutError:
+                    break  # the part read stays in the parser for the next read
+            else:
+                reply = conn.read_response(push_request=True)
             count += 1
             if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
                 self._dispatch(reply[1], reply[2])
