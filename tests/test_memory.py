@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import itertools
 import types
 from collections.abc import Callable
 from dataclasses import replace
@@ -53,19 +54,31 @@ def container_sizes(root: object) -> dict[str, int]:
         seen.add(id(obj))
         if isinstance(obj, _SIZED):
             sizes[f"{path} ({type(obj).__name__})"] = len(obj)
-            items: Any = obj.items() if isinstance(obj, dict) else enumerate(obj)
-            for k, v in list(items)[:100]:  # a sample is enough to find nested ones
+            for k, v in _sample(obj, 100):  # a sample is enough to find nested ones
                 todo.append((v, f"{path}[{k!r}]"[:300]))
             continue
         attrs = getattr(obj, "__dict__", None)
         if isinstance(attrs, dict):
-            todo.extend((v, f"{path}.{k}") for k, v in attrs.items())
+            todo.extend((v, f"{path}.{k}") for k, v in _sample(attrs, None))
         for slot in getattr(type(obj), "__slots__", ()):
             if hasattr(obj, slot):
                 todo.append((getattr(obj, slot), f"{path}.{slot}"))
         if not attrs and not isinstance(obj, int | float | bool | type(None)):
             todo.extend((r, f"{path}->{type(r).__name__}") for r in gc.get_referents(obj))
     return sizes
+
+
+def _sample(container: Any, n: int | None) -> list[tuple[Any, Any]]:
+    """The first `n` (or all) entries of a container the listener's threads may be changing
+    meanwhile: a copy that raced a change ("deque mutated during iteration", seen in CI) is
+    taken again."""
+    for _ in range(1000):
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        try:
+            return list(itertools.islice(items, n))
+        except RuntimeError:
+            continue
+    raise AssertionError(f"a {type(container).__name__} changed at every one of 1000 copies")
 
 
 def grown(before: dict[str, int], after: dict[str, int], by: int) -> dict[str, int]:
