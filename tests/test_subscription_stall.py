@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +38,7 @@ class CuttingProxy:
         self.cut = threading.Event()
         """Set once a stream was cut: its first message sent, the next one's first bytes too."""
         self.send_more = threading.Event()
+        self.more_sent = threading.Event()
         self.closing = threading.Event()
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -108,6 +108,7 @@ class CuttingProxy:
                 client.sendall(held[: second + 5])
                 self.send_more.wait(30)
                 client.sendall(held[second + 5 : second + 8])
+                self.more_sent.set()
         except OSError:
             pass
 
@@ -127,7 +128,7 @@ def test_a_stream_cut_half_way_through_a_message_is_rebuilt_not_waited_on(
             # the read that follows finds new bytes, and still not a whole message.
             if proxy.cut.is_set() and not proxy.send_more.is_set():
                 proxy.send_more.set()
-                time.sleep(0.2)
+                proxy.more_sent.wait(5)  # in the subscriber's socket before the read that follows
             handle_key(raw)
 
         listener.handle_key = handle_then_let_more_in  # type: ignore[method-assign]

@@ -37,7 +37,7 @@ _REST_OF_MESSAGE_S = 0.2
 """How long `_drain` waits for the rest of a message whose first bytes it has read: then it
 leaves the part it has to the next read, and the PING probe judges the link (`_probe`)."""
 _READ_TAKES_TIMEOUT = "timeout" in inspect.signature(redis.Connection.read_response).parameters
-"""redis-py 5.1 and later: a read may wait less than the connection's socket timeout."""
+"""Whether this redis-py's reads take a timeout of their own (8.x does; the suite runs 8.2)."""
 _MESSAGE_TYPES = ("message", "smessage")
 """Published messages: `smessage` is the wake channel's on a cluster (sharded pub/sub)."""
 PROBE_IDLE_S = 0.5
