@@ -184,6 +184,31 @@ def test_bad_keys_are_ignored_and_the_listener_keeps_going(
     assert running.listener.foreign == 3
 
 
+def test_a_listener_that_hears_no_events_runs_its_due_tasks_from_the_ledger_on_time(
+    redis_factory: RedisFactory, db_url: str, tmp_path: Path, start_listener: StartListener
+) -> None:
+    """Deaf (its canary's event does not come back), a listener reads its due tasks from the
+    ledger every `DEAF_SCAN_EVERY_S`: none starts a self-check's second late. The Patroni hour:
+    a listener deaf for 15 s ran its share up to 1.24 s late, its self-check's pace."""
+    server = redis_factory()
+    # The production pace of the self-check (once a second), which ran them before.
+    settings = make_settings(server.url(), db_url, tmp_path, lease_check_s=10.0)
+    admin = server.client()
+    with Client(settings) as client:
+        running = start_listener(settings)
+        admin.config_set("notify-keyspace-events", "")
+        wait_until(lambda: not running.listener.events_arriving, 10)
+        # Due times spread over a second: a once-a-second check starts some ~1 s late.
+        keys = [client.create("Probe.record", f"deaf{i}", ttl_ms=300 + 50 * i) for i in range(20)]
+        rows = [wait_status(client, key, TaskStatus.DONE) for key in keys]
+        late = sorted(r.started_at_ms - r.due_at_ms for r in rows if r.started_at_ms)
+        assert len(late) == len(keys)
+        assert late[-1] < 600, late  # 1,001 ms at the self-check's once a second
+        assert late[0] >= -5, late  # not early either
+        assert not running.listener.events_arriving, "the test must measure the deaf path"
+    admin.close()
+
+
 def test_events_lost_while_the_subscriber_was_cut_off_are_recovered(
     client: Client, settings: Settings, start_listener: StartListener
 ) -> None:

@@ -115,6 +115,8 @@ class Fleet:
         )  # fmt: skip
         self.partition.set_classes(classes)
         self.store.beat(row)
+        # Threads waiting out a backoff after a ledger outage may try again now.
+        self.store.reconnects.answered()
         self.beats += 1
         settings = self.settings
         self._share(now_ms - int(share_silence_s(settings) * 1000), now_ms)

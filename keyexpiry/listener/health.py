@@ -95,6 +95,12 @@ class Health:
         self.markers_lost = 0
         """Times a marker was found gone or replaced: Redis lost keys (for metrics)."""
 
+    @property
+    def deaf(self) -> bool:
+        """Whether due tasks run from the ledger now, not from events: the canary's event did
+        not come back, or (on a Cluster, as last checked) a primary's events go unheard."""
+        return not self.events_arriving or bool(self._unheard_said)
+
     # --- what the subscription reports --------------------------------------------------------
     def canary_arrived(self, *, expired: bool, key: bytes | None = None) -> None:
         """Our canary's event came back (expired, or evicted before it could); on a cluster,

@@ -143,6 +143,7 @@ class Listener:
             leads=self.fleet.partition.leads,
         )
         self.dispatcher.claimer.find_due = self._due_keys
+        self.dispatcher.claimer.deaf = lambda: self.health.deaf
         self.maintenance = Maintenance(
             self.reconciler,
             self.health,

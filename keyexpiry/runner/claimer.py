@@ -4,6 +4,7 @@ transaction per batch) and handed to the workers as claimed runs."""
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,8 +34,14 @@ _WARNED_UNKNOWN_MAX = 1000
 DUE_SCAN_EVERY_S = 0.2
 """While events are dropped, or keys with no ledger row hold the queue up, the ledger is asked
 this often at most which tasks are due: those go first."""
+DEAF_SCAN_EVERY_S = 0.05
+"""While no expired event arrives (`Claimer.deaf`), the ledger is asked this often which tasks
+are due: a task then starts this late at most, not a self-check's second (the Patroni hour: a
+listener deaf for 15 s ran its share up to 1.24 s late)."""
 DUE_PAGE_KEYS = 1024
 """Due tasks read from the ledger at a time (or 4 claims' worth, for a larger `claim_batch`)."""
+FAILURE_LINE_EVERY_S = 10.0
+"""A claim (or an outcome's record) failing again and again is said at most this often."""
 SUMMARY_EVERY_S = 60.0
 """Keys with no row and dropped events are each said once, then summed up at most this often."""
 
@@ -82,12 +89,16 @@ class Claimer:
         self.find_due: Callable[[int], list[str]] | None = None
         """Up to n keys of due tasks this listener would run, read from the ledger (set by the
         listener; without it dropped events wait for the overdue check)."""
+        self.deaf: Callable[[], bool] = _never
+        """Whether this listener hears no expired events now (set by the listener): its due
+        tasks are then read from the ledger every `DEAF_SCAN_EVERY_S`."""
         self._due_wanted = False
         self._due_read_s = -DUE_SCAN_EVERY_S
         self._claimed_at_read: int | None = None
         """Claims won when a full page of due tasks was read (None: the page was not full)."""
         self._no_row = Tally(SUMMARY_EVERY_S)
         self._dropped = Tally(SUMMARY_EVERY_S)
+        self._failing = Tally(FAILURE_LINE_EVERY_S)
         self._dropped_seen = 0
         self.gate = gate
         gate.wake = self.intake.wake
@@ -119,7 +130,9 @@ class Claimer:
                 self._read_due_first()
                 self._say_tallies()
                 gate = self.gate
-                if not self.intake.wait(gate.wait_s(0.1)) and gate.wait_s(0.1) > 0:
+                # Deaf, the ledger is read at its own pace, not only when a key comes.
+                most_s = DEAF_SCAN_EVERY_S if self.deaf() else 0.1
+                if not self.intake.wait(gate.wait_s(most_s)) and gate.wait_s(most_s) > 0:
                     continue
                 with inflight.cond:
                     self.claiming = True
@@ -148,13 +161,19 @@ class Claimer:
                 # A dead claimer would leave the keys marked queued, and every later sighting
                 # of them ignored.
                 self._stats.store_errors += 1
-                seen = self.store.reconnects.count
+                # Only an outage ends its wait when the ledger answers again: a claim that fails
+                # otherwise would fail again at once.
+                outage = isinstance(exc, StoreError | redis.RedisError)
+                seen = self.store.reconnects.count if outage else sys.maxsize
                 if self._unsettled is None:
                     self.intake.requeue(batch)
                 wait_s = backoff.next_s()
-                if isinstance(exc, StoreError | redis.RedisError):
-                    logger.error(
-                        "claiming {} task(s) failed: {}; retrying in {:.1f} s",
+                if outage:
+                    # Retried as soon as a heartbeat gets through, so while the ledger takes
+                    # those but refuses claims that is every beat: said once per interval.
+                    said = self._failing.add(1, monotonic_s())
+                    (logger.error if said else logger.debug)(
+                        "claiming {} task(s) failed: {}; retrying in {:.1f} s at most",
                         len(batch),
                         exc,
                         wait_s,
@@ -164,8 +183,9 @@ class Claimer:
                     logger.exception(
                         "claiming {} task(s) failed; retrying in {:.1f} s", len(batch), wait_s
                     )
-                # Until the ledger takes a new connection (another thread got through), not the
-                # whole backoff: a failover's backlog runs once the new primary answers.
+                # Until the ledger takes a new connection or a heartbeat (another thread got
+                # through), not the whole backoff: a failover's backlog runs once the new
+                # primary answers.
                 self.store.reconnects.pause(
                     self.stop, seen, wait_s, min_s=self.settings.reconnect_initial_s
                 )
@@ -190,14 +210,16 @@ class Claimer:
                 )
             self._dropped_seen = dropped
         find_due = self.find_due
-        if not self._due_wanted or find_due is None or intake.first_count():
+        deaf = self.deaf()
+        if not (self._due_wanted or deaf) or find_due is None or intake.first_count():
             return
         now_s = monotonic_s()
         # After a full page whose tasks ran, read on at once: a backlog of dropped events (a
         # start-up after downtime) drains at the claims' pace, not a page per interval.
         full = self._claimed_at_read
         read_on = full is not None and self._stats.claimed > full
-        if now_s - self._due_read_s < DUE_SCAN_EVERY_S and not read_on:
+        every_s = DEAF_SCAN_EVERY_S if deaf else DUE_SCAN_EVERY_S
+        if now_s - self._due_read_s < every_s and not read_on:
             return
         self._due_read_s = now_s
         limit = self._due_page
@@ -439,6 +461,10 @@ class Claimer:
             logger.bind(key=keys[0], attempt=0).warning(
                 "no ledger row for this task's key (lost or never written): ignored{}", more
             )
+
+
+def _never() -> bool:
+    return False
 
 
 def _log_locked(key: str, exc: StoreError) -> None:

@@ -3,6 +3,7 @@ a database outage holds them (never loses them), a locked or refused row holds b
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import redis
@@ -14,8 +15,10 @@ from keyexpiry.clock import Clock, monotonic_s
 from keyexpiry.errors import StoreError
 from keyexpiry.ledger.rows import Outcome, TaskStatus
 from keyexpiry.ledger.store import Store
+from keyexpiry.log import Tally
 from keyexpiry.redis.arming import arm_keys
 from keyexpiry.runner.arming import Arming
+from keyexpiry.runner.claimer import FAILURE_LINE_EVERY_S
 from keyexpiry.runner.inflight import DispatchStats, InFlight
 from keyexpiry.settings import Settings
 from keyexpiry.threads import Backoff, ThreadErrors
@@ -45,6 +48,7 @@ class Recorder:
         self._errors = errors
         # flush() retries until its deadline whatever stops the loop: its pause has no stop.
         self._never = threading.Event()
+        self._failing = Tally(FAILURE_LINE_EVERY_S)
 
     def loop(self, stopped: threading.Event) -> None:
         """Record as outcomes arrive until `stopped` is set."""
@@ -68,7 +72,10 @@ class Recorder:
                     self.store.record(batch, self.clock.now_ms(), rearm)
                 self._arm_next_occurrences(rearm)
             except Exception as exc:
-                if not isinstance(exc, StoreError | redis.RedisError):
+                # Only an outage ends its wait when the ledger answers again (`Reconnects`): an
+                # outcome the database refuses would be refused again at once.
+                outage = isinstance(exc, StoreError | redis.RedisError)
+                if not outage:
                     # Not an outage: some outcome the database refuses. Write the rest one by one
                     # and leave that run to its lease, rather than retry the batch forever.
                     self._errors.add("recorder")
@@ -81,7 +88,7 @@ class Recorder:
                         continue
                     exc = StoreError(f"{len(batch)} outcome(s) not recorded")
                 self._stats.store_errors += 1
-                seen = self.store.reconnects.count
+                seen = self.store.reconnects.count if outage else sys.maxsize
                 if isinstance(exc, StoreError) and exc.lock_timeout and len(batch) > 1:
                     written, batch = self._record_around_locks(batch)
                     self._after_record(written)
@@ -98,13 +105,15 @@ class Recorder:
                     )
                     return
                 wait_s = backoff.next_s()
-                logger.error(
-                    "recording {} outcome(s) failed: {}; retrying in {:.1f} s",
+                said = self._failing.add(1, monotonic_s())
+                (logger.error if said else logger.debug)(
+                    "recording {} outcome(s) failed: {}; retrying in {:.1f} s at most",
                     len(batch),
                     exc,
                     wait_s,
                 )
-                # Shortened when the ledger takes a new connection: as the claimer's.
+                # Shortened when the ledger takes a new connection or a heartbeat: as the
+                # claimer's.
                 self.store.reconnects.pause(
                     self._never, seen, wait_s, min_s=self.settings.reconnect_initial_s
                 )

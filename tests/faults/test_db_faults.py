@@ -157,6 +157,68 @@ def test_a_long_outage_ends_the_claimers_backoff_when_the_ledger_answers(
     running.stop()
 
 
+_REFUSE_UPDATES = {
+    "postgres": [
+        "CREATE FUNCTION ke_refuse() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$",
+        "CREATE TRIGGER ke_refuse BEFORE UPDATE ON time_limit_task FOR EACH ROW "
+        "EXECUTE FUNCTION ke_refuse()",
+    ],
+    "mariadb": [
+        "CREATE TRIGGER ke_refuse BEFORE UPDATE ON time_limit_task FOR EACH ROW "
+        "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused by the test'",
+    ],
+}
+
+
+def test_claims_refused_while_heartbeats_get_through_are_retried_at_the_next_beat(
+    ledger: Client,
+    redis_url: str,
+    server_db_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+    verdict: Verdict,
+) -> None:
+    # Production backoff (0.5 s doubling to 30 s). The ledger refuses every change to a task
+    # row (a trigger here; a standby behind a proxy, a switchover's last moments in the Patroni
+    # soak) but takes the heartbeats, on connections it already had: no new connection ends
+    # the claimer's wait, which was 8 s after the fifth failure. Each heartbeat now ends it.
+    from sqlalchemy import text
+
+    cfg = make_settings(
+        redis_url, server_db_url, tmp_path, reconnect_initial_s=0.5, reconnect_max_s=30.0
+    )
+    running = start_listener(cfg)
+    stats = running.listener.dispatcher.stats
+    engine = ledger.store.engine
+    with engine.begin() as conn:
+        for sql in _REFUSE_UPDATES[engine_of(server_db_url)]:
+            conn.execute(text(sql))
+    errors = stats.store_errors
+    key = ledger.create("Probe.record", "refused", ttl_ms=200)
+    # Retried at the heartbeats' pace: eight tries within 8 s. The backoff alone tries at 0,
+    # 0.5, 1.5, 3.5 and 7.5 s, then 15.5 s.
+    wait_until(
+        lambda: stats.store_errors >= errors + 8,
+        8.5,
+        message="fewer than 8 claims tried in 8 s: the backoff was not cut short",
+    )
+    with engine.begin() as conn:
+        conn.execute(
+            text("DROP TRIGGER ke_refuse ON time_limit_task")
+            if engine_of(server_db_url) == "postgres"
+            else text("DROP TRIGGER ke_refuse")
+        )
+    allowed_ms = ledger.clock.now_ms()
+    row = wait_status(ledger, key, TaskStatus.DONE, timeout_s=30)
+    assert row.started_at_ms is not None
+    assert row.started_at_ms - allowed_ms < 2000, (
+        f"the claim was retried {row.started_at_ms - allowed_ms} ms after the ledger took it"
+    )
+    verdict.check(ledger, [key])
+    running.stop()
+
+
 def _through_an_outage(
     ledger: Client,
     proxy: WireProxy,
