@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from keyexpiry.bench.soak import _growth_rule
+from keyexpiry.bench.soak import _growth_rule, summary
 from keyexpiry.bench.soak_plots import plot
 from keyexpiry.bench.soak_verdict import growth_check, verdict
 
@@ -672,6 +672,33 @@ def test_integer_counts_need_a_rise_of_more_than_one() -> None:
     assert grew["growth"] == pytest.approx(1 / 3, abs=1e-3)
     assert not growth_check([6, 6, 6, 6, 7, 7, 7], integer=False, limit=0.10)["passed"]
     assert not growth_check([0, 0, 0, 0, 3, 3, 3], integer=True, limit=0.10)["passed"]
+
+
+def test_the_listeners_pace_is_their_cpu_outside_fault_windows(rec: Recorder) -> None:
+    # Two listeners at 0.2 and 0.3 cores, 10 starts a second; a fault from 100 to 105 s (its
+    # window to 115 s) where they burn 5 cores' worth, and a restart of one at 300 s: both
+    # left out. What is left: 0.5 cores, 50 ms a start.
+    for i, t_s in enumerate(x / 10 for x in range(0, 6000)):
+        rec.create(i, t_s, t_s=max(0.0, t_s - 1))
+        rec.run(i, t_s, t_s + 0.001, pid=PID_A if i % 2 else PID_B)
+    rec.fault("stall", 100, 105)
+    cpu_a = cpu_b = 0.0
+    for t_s in range(0, 601, 10):
+        burn = 5.0 if 100 <= t_s <= 120 else 1.0
+        cpu_a += 0 if t_s == 0 else 0.2 * 10 * burn
+        cpu_b += 0 if t_s == 0 else 0.3 * 10 * burn
+        pid_b = PID_B if t_s < 300 else PID_B + 100
+        rec.sample(t_s, [listener(0, PID_A, 0, cpu_s=cpu_a), listener(1, pid_b, 0, cpu_s=cpu_b)])
+    report = judge(rec)
+    pace = report["pace"]
+    assert "listeners' CPU outside faults: 0.5 cores, 50.0 ms a start" in summary(
+        {"verdict": report}
+    )
+    # 60 intervals: 3 meet the fault's window (100-110, 110-120, 90-100 ends at 100), one the
+    # restart.
+    assert pace["quiet_intervals"] == 56
+    assert pace["listener_cores"] == pytest.approx(0.5)
+    assert pace["listener_cpu_ms_per_start"] == pytest.approx(50.0, rel=0.01)
 
 
 def _listener_samples(rec: Recorder, rss_of: Any, until_s: int = 600) -> None:

@@ -1038,6 +1038,14 @@ def summary(report: dict[str, Any]) -> str:
     )
     tp = v["throughput"]["ok_ends_per_s"]
     lines.append(f"  steady ok ends/s: min {tp['min']} / median {tp['p50']} / max {tp['max']}")
+    pace = v.get("pace") or {}
+    if pace.get("listener_cores") is not None:
+        # The machine's pace: a tail target means little on a machine that spends more CPU on
+        # the same work than it did when the target was met.
+        lines.append(
+            f"  listeners' CPU outside faults: {pace['listener_cores']} cores, "
+            f"{pace['listener_cpu_ms_per_start']} ms a start ({pace['quiet_intervals']} samples)"
+        )
     lines += [f"  FAILURE: {line}" for line in v["failures"]]
     # A CI log is often all that is left of a failed short soak: the offending tasks' whole
     # history (runs, pids, clocks, window hints) goes with the verdict.
@@ -1150,6 +1158,15 @@ def markdown(report: dict[str, Any], images: str) -> str:
         lines += [
             f"| {t['target']} | {t['ms']:,} | {t['bound_ms']:,} | {'yes' if t['met'] else 'no'} |"
             for t in v["tails"]
+        ]
+    pace = v.get("pace") or {}
+    if pace.get("listener_cores") is not None:
+        lines += [
+            "",
+            f"The machine's pace: outside fault windows the listeners used "
+            f"{pace['listener_cores']} cores, {pace['listener_cpu_ms_per_start']} ms of CPU a "
+            "handler start (compare runs by it: the same code spends more on a slower machine, "
+            "and its tail grows with it).",
         ]
     lines += [
         "",

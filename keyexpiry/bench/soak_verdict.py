@@ -26,7 +26,9 @@ would only be imported here. The reading of the files is `soak_history`.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
 import statistics
 from collections import Counter, defaultdict
@@ -962,6 +964,38 @@ def _throughput_section(history: History, params: dict[str, Any]) -> dict[str, A
     }
 
 
+def _pace_section(history: History, windows: FaultWindows) -> dict[str, Any]:
+    """What the listeners' work cost in CPU outside fault windows: the machine's pace.
+
+    The same code at the same rate spent 0.49-0.55 cores one night and 0.74 cores another
+    morning, and its outside p99 went from 23 ms to 66 ms with it (ENDURANCE rounds seventeen
+    and nineteen): a tail target is judged only on a machine whose pace is known. Summed over
+    the sampling intervals that meet no fault window and keep the same listener processes (a
+    restart's start-up is not steady work): the listeners' CPU seconds over the wall seconds
+    (cores), and over the handler starts in those intervals (ms a start)."""
+    starts = sorted(run.start_ms for task in history.tasks.values() for run in task.runs)
+    cpu_s = wall_s = 0.0
+    counted = intervals = 0
+    samples = history.samples
+    for before, after in itertools.pairwise(samples):
+        t0, t1 = int(before["t_ms"]), int(after["t_ms"])
+        cpu0 = {entry.get("pid"): entry.get("cpu_s") for entry in before.get("listeners", [])}
+        cpu1 = {entry.get("pid"): entry.get("cpu_s") for entry in after.get("listeners", [])}
+        if t1 <= t0 or set(cpu0) != set(cpu1) or windows.at(t0, t1):
+            continue
+        if any(not isinstance(v, int | float) for v in (*cpu0.values(), *cpu1.values())):
+            continue
+        cpu_s += sum(float(cpu1[pid]) - float(cpu0[pid]) for pid in cpu0)
+        wall_s += (t1 - t0) / 1000
+        counted += bisect.bisect_left(starts, t1) - bisect.bisect_left(starts, t0)
+        intervals += 1
+    return {
+        "quiet_intervals": intervals,
+        "listener_cores": round(cpu_s / wall_s, 3) if wall_s else None,
+        "listener_cpu_ms_per_start": round(1000 * cpu_s / counted, 3) if counted else None,
+    }
+
+
 # --- verdict -------------------------------------------------------------------------------
 
 
@@ -1044,6 +1078,7 @@ def verdict_of(history: History, params: dict[str, Any]) -> dict[str, Any]:
         },
         "ledger_bound": _ledger_bound(history, params),
         "throughput": _throughput_section(history, params),
+        "pace": _pace_section(history, windows),
         "anomalies": dict(history.anomalies),
     }
     report["failures"] = _failures(report)
