@@ -52,11 +52,19 @@ class Running:
         self.listener = Listener(settings, registry)
         self.thread = threading.Thread(target=self.listener.run, daemon=True)
         self.thread.start()
-        if not self.listener.subscribed.wait(15):
-            raise AssertionError("listener did not subscribe within 15 s")
-        assert self.listener.wait_reconciled(15), "start-up reconciliation did not finish"
-        # Done beside the subscription: waited for, so a test starts on a settled listener.
-        assert self.listener.warmed.wait(15), "the warm-up did not finish"
+        try:
+            if not self.listener.subscribed.wait(15):
+                raise AssertionError("listener did not subscribe within 15 s")
+            assert self.listener.wait_reconciled(15), "start-up reconciliation did not finish"
+            # Done beside the subscription: waited for, so a test starts on a settled listener.
+            assert self.listener.warmed.wait(15), "the warm-up did not finish"
+        except BaseException:
+            # Not handed to the fixture that stops it: left running, its threads would log
+            # their retries against servers the test tears down for the rest of the worker's
+            # run (a CI run drowned in them, its failure report lost with it).
+            self.listener.stop()
+            self.thread.join(timeout=30)
+            raise
 
     def stop(self) -> None:
         self.listener.stop()
@@ -133,8 +141,14 @@ def start_listener() -> Iterator[Callable[..., Running]]:
 
     yield start
     sample_tasks.reset()
+    failed: list[AssertionError] = []
     for running in started:
-        running.stop()
+        try:
+            running.stop()
+        except AssertionError as exc:  # the others are stopped all the same
+            failed.append(exc)
+    if failed:
+        raise failed[0]
 
 
 def wait_status(client: Client, key: str, status: TaskStatus, timeout_s: float = 10.0) -> TaskRow:

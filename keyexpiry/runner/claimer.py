@@ -38,6 +38,9 @@ DEAF_SCAN_EVERY_S = 0.05
 """While no expired event arrives (`Claimer.deaf`), the ledger is asked this often which tasks
 are due: a task then starts this late at most, not a self-check's second (the Patroni hour: a
 listener deaf for 15 s ran its share up to 1.24 s late)."""
+DEAF_SCAN_SHARE = 0.1
+"""...but never more than this share of the time: a read that walks many due rows that are not
+this listener's (a peer's backlog, tasks held by a pause) waits ten times its own length."""
 DUE_PAGE_KEYS = 1024
 """Due tasks read from the ledger at a time (or 4 claims' worth, for a larger `claim_batch`)."""
 FAILURE_LINE_EVERY_S = 10.0
@@ -94,6 +97,7 @@ class Claimer:
         tasks are then read from the ledger every `DEAF_SCAN_EVERY_S`."""
         self._due_wanted = False
         self._due_read_s = -DUE_SCAN_EVERY_S
+        self._deaf_every_s = DEAF_SCAN_EVERY_S
         self._claimed_at_read: int | None = None
         """Claims won when a full page of due tasks was read (None: the page was not full)."""
         self._no_row = Tally(SUMMARY_EVERY_S)
@@ -131,7 +135,7 @@ class Claimer:
                 self._say_tallies()
                 gate = self.gate
                 # Deaf, the ledger is read at its own pace, not only when a key comes.
-                most_s = DEAF_SCAN_EVERY_S if self.deaf() else 0.1
+                most_s = self._deaf_every_s if self.deaf() else 0.1
                 if not self.intake.wait(gate.wait_s(most_s)) and gate.wait_s(most_s) > 0:
                     continue
                 with inflight.cond:
@@ -218,13 +222,15 @@ class Claimer:
         # start-up after downtime) drains at the claims' pace, not a page per interval.
         full = self._claimed_at_read
         read_on = full is not None and self._stats.claimed > full
-        every_s = DEAF_SCAN_EVERY_S if deaf else DUE_SCAN_EVERY_S
+        every_s = self._deaf_every_s if deaf else DUE_SCAN_EVERY_S
         if now_s - self._due_read_s < every_s and not read_on:
             return
         self._due_read_s = now_s
         limit = self._due_page
         try:
             keys = find_due(limit)
+            took_s = monotonic_s() - now_s
+            self._deaf_every_s = max(DEAF_SCAN_EVERY_S, took_s / DEAF_SCAN_SHARE)
         except (StoreError, redis.RedisError) as exc:
             # Still wanted: read again at the next turn. The claims fail too, and say so.
             logger.debug("reading due tasks from the ledger failed: {}", exc)
