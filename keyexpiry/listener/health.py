@@ -98,8 +98,11 @@ class Health:
     @property
     def deaf(self) -> bool:
         """Whether due tasks run from the ledger now, not from events: the canary's event did
-        not come back, or (on a Cluster, as last checked) a primary's events go unheard."""
-        return not self.events_arriving or bool(self._unheard_said)
+        not come back. A Cluster primary unheard while the others are heard is left to
+        `unheard_loop`, once a second as before: there most of the share still comes by
+        events, and the Cluster's fault tests with 50 ms reads failed in CI in ways not yet
+        explained."""
+        return not self.events_arriving
 
     # --- what the subscription reports --------------------------------------------------------
     def canary_arrived(self, *, expired: bool, key: bytes | None = None) -> None:

@@ -38,9 +38,13 @@ DEAF_SCAN_EVERY_S = 0.05
 """While no expired event arrives (`Claimer.deaf`), the ledger is asked this often which tasks
 are due: a task then starts this late at most, not a self-check's second (the Patroni hour: a
 listener deaf for 15 s ran its share up to 1.24 s late)."""
-DEAF_SCAN_SHARE = 0.1
+DEAF_SCAN_SHARE = 0.25
 """...but never more than this share of the time: a read that walks many due rows that are not
-this listener's (a peer's backlog, tasks held by a pause) waits ten times its own length."""
+this listener's (a peer's backlog, tasks held by a pause) waits four times its own length, up
+to `DEAF_SCAN_MAX_S`."""
+DEAF_SCAN_MAX_S = 0.3
+"""The longest wait between two such reads (a loaded ledger, a long walk): still a fraction of
+the self-check's second, which read them before."""
 DUE_PAGE_KEYS = 1024
 """Due tasks read from the ledger at a time (or 4 claims' worth, for a larger `claim_batch`)."""
 FAILURE_LINE_EVERY_S = 10.0
@@ -230,7 +234,9 @@ class Claimer:
         try:
             keys = find_due(limit)
             took_s = monotonic_s() - now_s
-            self._deaf_every_s = max(DEAF_SCAN_EVERY_S, took_s / DEAF_SCAN_SHARE)
+            self._deaf_every_s = min(
+                DEAF_SCAN_MAX_S, max(DEAF_SCAN_EVERY_S, took_s / DEAF_SCAN_SHARE)
+            )
         except (StoreError, redis.RedisError) as exc:
             # Still wanted: read again at the next turn. The claims fail too, and say so.
             logger.debug("reading due tasks from the ledger failed: {}", exc)
