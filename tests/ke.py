@@ -53,11 +53,13 @@ class Running:
         self.thread = threading.Thread(target=self.listener.run, daemon=True)
         self.thread.start()
         try:
-            if not self.listener.subscribed.wait(15):
-                raise AssertionError("listener did not subscribe within 15 s")
-            assert self.listener.wait_reconciled(15), "start-up reconciliation did not finish"
+            # 30 s: a start-up reconciliation over a test's 60,000 rows on a Cluster took over
+            # 15 s twice on a slow machine (the waits end as soon as the listener is ready).
+            if not self.listener.subscribed.wait(30):
+                raise AssertionError("listener did not subscribe within 30 s")
+            assert self.listener.wait_reconciled(30), "start-up reconciliation did not finish"
             # Done beside the subscription: waited for, so a test starts on a settled listener.
-            assert self.listener.warmed.wait(15), "the warm-up did not finish"
+            assert self.listener.warmed.wait(30), "the warm-up did not finish"
         except BaseException:
             # Not handed to the fixture that stops it: left running, its threads would log
             # their retries against servers the test tears down for the rest of the worker's
