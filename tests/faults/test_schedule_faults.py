@@ -18,6 +18,7 @@ it started is left out (one that falls due after that start, while the run goes 
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import os
 import signal
@@ -368,7 +369,13 @@ def test_every_listener_stopped_across_three_occurrences(
         # The run at the restart said what it did: how many it missed, and what it stands for.
         # (Under "all" each run of the backlog says so, but the last.)
         said = [line for line in log_lines if f"schedule down:{label}: " in line]
-        assert len(said) >= 1 if label.startswith("all") else len(said) == 1, said
+        assert len(said) >= 1, said
+        if not label.startswith("all"):
+            # Said once for the backlog. A later run that starts over a period late (a loaded CI
+            # machine) says so too, of an occurrence after the restart, never the backlog's.
+            for line in said[1:]:
+                since = line.split("missed since ", 1)[1].split(" ", 1)[0]
+                assert dt.datetime.fromisoformat(since).timestamp() * 1000 >= restart_ms, said
         missed = int(said[0].split("(at least ", 1)[1].split(")", 1)[0])
         assert missed >= 2, said  # after the pending one: three in all
         assert ("skipped" in said[0]) == (label == "none"), said
