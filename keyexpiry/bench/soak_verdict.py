@@ -12,14 +12,16 @@
   task's wait, from its due to its first start, met a fault's window);
 - growth of every listener process (RSS, descriptors, threads, connections), of Redis memory and
   of the ledger's rows, after the warm-up;
-- throughput per 10 s.
+- throughput per 10 s;
+- the machine's pace: the listeners' CPU outside fault windows, by which runs on machines of
+  different speed are compared.
 
 `verdict()` returns a small JSON-serialisable dict (summaries and examples, no per-task arrays);
 `keyexpiry.bench.soak_plots` re-reads the files through `soak_history.load()` for its per-task
 series.
 
 Long because it is one judgement, its sections (fates, lateness, growth,
-throughput, then the failures they add up to) each a block of small pure functions over the same
+throughput, pace, then the failures they add up to) each a block of small pure functions over the same
 `History` and run `params`, and `_failures` reads every section's keys; split apart, each part
 would only be imported here. The reading of the files is `soak_history`.
 """
