@@ -21,9 +21,10 @@
 series.
 
 Long because it is one judgement, its sections (fates, lateness, growth,
-throughput, pace, then the failures they add up to) each a block of small pure functions over the same
-`History` and run `params`, and `_failures` reads every section's keys; split apart, each part
-would only be imported here. The reading of the files is `soak_history`.
+throughput, pace, then the failures they add up to) each a block of small pure
+functions over the same `History` and run `params`, and `_failures` reads every
+section's keys; split apart, each part would only be imported here. The reading
+of the files is `soak_history`.
 """
 
 from __future__ import annotations
