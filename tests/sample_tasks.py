@@ -26,6 +26,10 @@ ENTERED: dict[str, threading.Event] = {}
 """Set when a `Ledgered` run named so is inside its handler."""
 FAIL_FIRST: set[str] = set()
 """Names whose first `Ledgered.note` raises after its business write."""
+THREADS: dict[str, str] = {}
+"""The thread each key's `Probe.quick` last ran on."""
+STALLS: set[str] = set()
+"""Names `Probe.quick` blocks for on their gate (a handler usually fast that hangs once)."""
 business = MetaData()
 NOTES = Table(
     "biz_note",
@@ -67,6 +71,8 @@ def reset() -> None:
         RETURNS.clear()
         ENTERED.clear()
         FAIL_FIRST.clear()
+        THREADS.clear()
+        STALLS.clear()
 
 
 def runs_in(path: str | os.PathLike[str]) -> Counter[str]:
@@ -175,6 +181,16 @@ class Probe:
         """Blocks (up to 120 s) until its gate opens: a handler with a long timeout."""
         _note(name)
         gate(name).wait(120)
+
+    @exposed(timeout_s=1, retry_schedule_s=[0.05])
+    def quick(self, name: str) -> None:
+        """Returns at once, noting the thread it ran on; while `name` is in STALLS it says so
+        (`entered`) and blocks on its gate (up to 20 s) instead."""
+        _note(name)
+        THREADS[current().key] = threading.current_thread().name
+        if name in STALLS:
+            entered(name).set()
+            gate(name).wait(20)
 
     @exposed
     def returns(self, name: str) -> object:

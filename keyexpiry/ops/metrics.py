@@ -499,8 +499,9 @@ class ListenerCollector(Collector):
         yield _gauge(
             "keyexpiry_workers_active",
             "Worker threads running a run or woken for one (of `concurrency`; idle ones are "
-            "woken as the waiting runs need them).",
-            inflight.runq.active(),
+            "woken as the waiting runs need them), the claimer running a lone run itself "
+            "counted as one.",
+            inflight.runq.active() + inflight.inline,
         )
         yield _gauge(
             "keyexpiry_subscribed", "1 while subscribed to expired events.", lst.subscribed.is_set()

@@ -1,5 +1,16 @@
 """Claiming: keys heard expiring are queued once each, then claimed in batches (one ledger
-transaction per batch) and handed to the workers as claimed runs."""
+transaction per batch) and handed to the workers as claimed runs.
+
+A lone run of a method whose runs typically end within `INLINE_RUN_MAX_S`, claimed while every
+worker is idle, is run by the claimer itself: a task due now then crosses two threads (the
+subscription's reader, the claimer), not three, and handing it to a worker cost a thread
+wake-up (7 % of a run-now listener's interpreter time for that one `release()`) and its GIL
+hand-off (0.4 ms p50, 3.3 ms p99: docs/PERFORMANCE.md). The price is that the next claim waits
+for that handler; so a run that goes on past `HAND_OFF_AFTER_S` while keys wait (or that the
+watchdog, looking every `AWAY_CHECK_S`, finds past it) hands the claims to a new claimer thread,
+and the old one ends with its run: a handler that hangs on the claimer's thread holds no claim,
+and a key heard behind an unusually slow one waits ~0.05-0.1 s for its claim at most.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +60,14 @@ DUE_PAGE_KEYS = 1024
 """Due tasks read from the ledger at a time (or 4 claims' worth, for a larger `claim_batch`)."""
 FAILURE_LINE_EVERY_S = 10.0
 """A claim (or an outcome's record) failing again and again is said at most this often."""
+INLINE_RUN_MAX_S = 0.001
+"""A lone run is run on the claimer's thread when its method's runs here take this long or less
+on average (moving, 5 % weight: one slow run keeps the method on the workers for ~90 runs)."""
+HAND_OFF_AFTER_S = 0.05
+"""A run on the claimer's thread going on this long while keys wait for a claim hands the claims
+to a new thread. Not a couple of ms: on a loaded machine a run's time by the clock includes its
+waits for the interpreter (a switch interval is 5 ms), and at 2 ms the claims changed threads
+so often that run-now tasks gained nothing (docs/PERFORMANCE.md, 2026-12-07)."""
 SUMMARY_EVERY_S = 60.0
 """Keys with no row and dropped events are each said once, then summed up at most this often."""
 
@@ -119,6 +138,18 @@ class Claimer:
         self._refused_said = SaidOnce(limit=1_000)
         self.claiming = False
         self.stop = threading.Event()
+        self.run_here: Callable[[ClaimedRun], bool] | None = None
+        """Runs a claimed run on the calling thread, True when the watchdog abandoned it (set
+        by the dispatcher: without it, every run goes to the workers)."""
+        self.spawn: Callable[[], None] = _nothing
+        """Starts another thread running `loop` (set by the dispatcher): a hand-off."""
+        self._role = threading.Lock()
+        self._generation = 0  # which thread's loop claims: the others end
+        self.away_since_s: float | None = None
+        """When the claiming thread began running a run itself (None: it is not)."""
+        self._here: ClaimedRun | None = None
+        self._away_run: ClaimedRun | None = None
+        self.intake.on_queued = self._queued
 
     def loop(self) -> None:
         """Claim until `stop` is set; whatever fails, the keys stay queued and the loop lives.
@@ -129,6 +160,7 @@ class Claimer:
         """
         backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
         inflight = self._inflight
+        generation = self._generation
         while not self.stop.is_set():
             unsettled, self._unsettled = self._unsettled, None
             if unsettled is not None:
@@ -198,7 +230,59 @@ class Claimer:
                     self.stop, seen, wait_s, min_s=self.settings.reconnect_initial_s
                 )
             finally:
-                self.claiming = False
+                # A run kept to be run here keeps `claiming` set until it has run: a stop waits
+                # for it as for a claim (it is in no queue the stop could drain).
+                here, self._here = self._here, None
+                if here is None:
+                    self.claiming = False
+            if here is not None and not self._run_here(here, generation):
+                return  # another thread claims now
+
+    def _run_here(self, run: ClaimedRun, generation: int) -> bool:
+        """Run `run` on this thread (module docstring); False when the claims were handed to
+        another thread meanwhile: this one ends."""
+        assert self.run_here is not None
+        self._stats.claimed_inline += 1
+        self._away_run = run
+        self.away_since_s = monotonic_s()
+        try:
+            self.run_here(run)
+        finally:
+            with self._role:
+                mine = self._generation == generation
+                if mine:
+                    self.away_since_s = None
+                    self.claiming = False
+        return mine
+
+    def hand_off(self, force: bool = False) -> bool:
+        """Start another claiming thread if this claimer's own run has gone on past
+        `HAND_OFF_AFTER_S` (any time, with `force`: it is abandoned); the running one ends
+        with its run. True when handed off."""
+        since = self.away_since_s
+        if since is None or not (force or monotonic_s() - since > HAND_OFF_AFTER_S):
+            return False
+        with self._role:
+            if self.away_since_s != since:
+                return False  # back already, or another run
+            self.away_since_s = None
+            self._generation += 1
+            # The run is the old thread's now (a stop waits for it among the running ones).
+            self.claiming = False
+        self._stats.claim_hand_offs += 1
+        run = self._away_run
+        log = logger if run is None else logger.bind(key=run.row.key, attempt=run.row.attempts)
+        log.info(
+            "run on the claiming thread for {:.0f} ms so far; another thread claims now",
+            (monotonic_s() - since) * 1000,
+        )
+        self.spawn()
+        return True
+
+    def _queued(self) -> None:
+        """Keys were queued: if the claimer is away running one, hand off once it took long."""
+        if self.away_since_s is not None:
+            self.hand_off()
 
     def _read_due_first(self) -> None:
         """While events are dropped (the intake full) or keys with no row hold the queue up,
@@ -313,18 +397,48 @@ class Claimer:
             self.gate.unclaimed(specs, token, specs)
             raise
         self._stats.claimed += len(rows)
-        self._inflight.add_claimed(
-            [
-                ClaimedRun(
-                    row,
-                    token,
-                    specs[row.key],
-                    retries.timeout_s(specs[row.key].options, settings),
-                    lease_until_ms,
-                )
-                for row in rows
-            ]
-        )
+        runs = [
+            ClaimedRun(
+                row,
+                token,
+                specs[row.key],
+                retries.timeout_s(specs[row.key].options, settings),
+                lease_until_ms,
+            )
+            for row in rows
+        ]
+        here = self._lone(runs)
+        if here is None:
+            self._inflight.add_claimed(runs)
+        else:
+            self._inflight.hold(here)
+        try:
+            self._after_claim(specs, rows, token, locked)
+        except BaseException:
+            if here is not None:
+                self._inflight.runq.put([here])  # still runs, on a worker
+            raise
+        self._here = here
+
+    def _lone(self, runs: list[ClaimedRun]) -> ClaimedRun | None:
+        """The one run of a claim that the claimer runs itself (module docstring), or None."""
+        if len(runs) != 1 or self.run_here is None:
+            return None
+        run = runs[0]
+        spec = run.spec
+        if spec.is_async or spec.options.transactional:
+            return None
+        runq = self._inflight.runq
+        if len(runq) or runq.active() or self.stop.is_set():
+            return None
+        typical_s = self._inflight.typical_run_s(spec)
+        return run if typical_s is not None and typical_s <= INLINE_RUN_MAX_S else None
+
+    def _after_claim(
+        self, specs: dict[str, TaskSpec], rows: list[TaskRow], token: str, locked: set[str]
+    ) -> None:
+        """Flow permits of the keys not claimed given back; those keys explained, and a pending
+        task's missing key re-armed."""
         claimed = {r.key for r in rows}
         # Keys left to be claimed again under `token` (a connection lost among the one-by-one
         # claims) keep their permits: that claim is not admitted again.
@@ -477,6 +591,10 @@ class Claimer:
 
 def _never() -> bool:
     return False
+
+
+def _nothing() -> None:
+    pass
 
 
 def _log_locked(key: str, exc: StoreError) -> None:

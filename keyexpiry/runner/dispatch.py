@@ -87,6 +87,9 @@ class Dispatcher:
         )
         self.executor.gate = self.gate
         self.watchdog = Watchdog(self.executor, self.stats)
+        self.claimer.run_here = self.executor.run_here
+        self.claimer.spawn = lambda: self._spawn("claimer", self.claimer.loop)
+        self.watchdog.hand_off = self.claimer.hand_off
         self.recorder = Recorder(
             store=rt.store,
             redis=rt.redis,

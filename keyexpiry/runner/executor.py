@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from loguru import Logger
 
 _ERROR_MAX_CHARS = 8000
+AWAY_CHECK_S = 0.05
+"""While runs are going, the watchdog looks this often whether the claimer's own run has gone on
+past `HAND_OFF_AFTER_S` (`Claimer.hand_off`): with no key heard since, that is the next look."""
 _OUTCOME_NAMES = {TaskStatus.DONE: "done", TaskStatus.PENDING: "retry", TaskStatus.DEAD: "dead"}
 """An outcome's status as the `outcome` label of keyexpiry_runs_total."""
 
@@ -169,6 +172,20 @@ class Executor:
             # Whatever ends this loop (`threads.spawn` restarts it after an error with a new
             # place in the queue), this one no longer counts as active.
             self.inflight.runq.lost(me)
+
+    def run_here(self, run: ClaimedRun) -> bool:
+        """Run a claimed sync run on the calling thread (the claimer's: `runner.claimer`);
+        True when the watchdog abandoned it meanwhile (another thread claims now)."""
+        run.inline = True
+        inflight = self.inflight
+        inflight.inline += 1
+        try:
+            return self._execute(run) or run.abandoned
+        except Exception as exc:
+            self.run_broke(run, exc)
+            return run.abandoned
+        finally:
+            inflight.inline -= 1
 
     def run_broke(self, run: ClaimedRun, exc: Exception) -> None:
         """Something other than the handler raised around a run (a bug, or a value that slipped
@@ -455,13 +472,22 @@ class Watchdog:
         self._executor = executor
         self.inflight = executor.inflight
         self._stats = stats
+        self.hand_off: Callable[[bool], object] = _no_hand_off
+        """The claimer's `hand_off` (set by the dispatcher): another thread takes the claims
+        when the claimer's own run took too long (always, with True)."""
 
     def loop(self) -> None:
         """Check until the dispatcher stops, sleeping until the next run could be late."""
         stopped = self._executor.stopped
         while not stopped.is_set():
             next_deadline = self._fail_late_runs(monotonic_s())
-            stopped.wait(max(0.005, min(next_deadline - monotonic_s(), 0.5)))
+            self.hand_off(False)
+            wait_s = min(next_deadline - monotonic_s(), 0.5)
+            if self.inflight.running:
+                # The claimer may be running one of them: a handler slower than its method's
+                # usual must not hold the claims for longer than this.
+                wait_s = min(wait_s, AWAY_CHECK_S)
+            stopped.wait(max(0.005, wait_s))
 
     def _fail_late_runs(self, now: float) -> float:
         """Record runs past their timeout as failed; return when the next one is due to end."""
@@ -477,6 +503,10 @@ class Watchdog:
             )
             if run.spec.is_async:
                 self._executor.coroutines.cancel(run)
+            elif run.inline:
+                # The claimer's thread hangs in it: another thread claims from now on (the
+                # workers were never short of one).
+                self.hand_off(True)
             else:
                 if run.worker is not None:
                     self.inflight.runq.lost(run.worker, run)
@@ -503,6 +533,10 @@ class Watchdog:
                 continue
             self.inflight.add_outcome(outcome)
         return next_deadline
+
+
+def _no_hand_off(_force: bool) -> None:
+    pass
 
 
 def _discard(awaitable: Awaitable[Any]) -> None:

@@ -50,6 +50,8 @@ class ClaimedRun:
     """The worker running it (sync handlers), which the watchdog gives up when it hangs."""
     claimed_s: float = field(default_factory=monotonic_s)
     """When it was claimed (monotonic): a run that waited long may have been taken over."""
+    inline: bool = False
+    """Run by the claimer's own thread (`runner.claimer`), not by a worker."""
 
 
 @dataclass
@@ -58,6 +60,10 @@ class DispatchStats:
 
     submitted: int = 0
     claimed: int = 0
+    claimed_inline: int = 0
+    """Lone runs the claimer ran on its own thread (`runner.claimer`)."""
+    claim_hand_offs: int = 0
+    """Times such a run took too long and another thread took over the claims."""
     done: int = 0
     retried: int = 0
     dead: int = 0
@@ -104,6 +110,9 @@ class InFlight:
         self._claim_batch = claim_batch
         self._async_limit = async_limit
         self._run_s_avg: float | None = None  # moving average of handler run time
+        self._spec_run_s: dict[str, float] = {}  # and per task method (its spec's label)
+        self.inline = 0
+        """Runs the claimer is running itself now (0 or 1)."""
         self.on_leave: Callable[[ClaimedRun], None] = _nothing
         """Called (outside the condition) for each run that leaves flight, however it leaves:
         flow control gives its permit back."""
@@ -148,6 +157,16 @@ class InFlight:
             self.count += len(runs)
         self.runq.put(runs)
 
+    def hold(self, run: ClaimedRun) -> None:
+        """A freshly claimed run the claimer runs itself: in flight, not queued."""
+        with self.cond:
+            self.count += 1
+
+    def typical_run_s(self, spec: TaskSpec) -> float | None:
+        """The moving average of the run time of `spec`'s sync runs here (None before its
+        first); a run past its timeout counts as that long."""
+        return self._spec_run_s.get(spec.label)
+
     def started(self, run: ClaimedRun) -> None:
         """A worker begins `run` (the watchdog now times it)."""
         with self.cond:
@@ -178,6 +197,7 @@ class InFlight:
                 took_s = monotonic_s() - run.started_s
                 avg = self._run_s_avg
                 self._run_s_avg = took_s if avg is None else avg + 0.05 * (took_s - avg)
+                self._fold_run_s(run.spec, took_s)
             # Only when a waiter may go on: the recorder waits for a first outcome, the claimer
             # for room, a stop for the last run. Waking the claimer at every ending run, only
             # for it to find no room yet, cost a thread wake-up (and a GIL hand-off) a run.
@@ -244,11 +264,19 @@ class InFlight:
                 run.abandoned = True
                 run.tx_taken = run.end_tx is not None
                 self._leave(run)
+                if not run.spec.is_async:
+                    self._fold_run_s(run.spec, run.timeout_s)
             if late:
                 self.cond.notify_all()
         for run in late:
             self.on_leave(run)
         return late, next_deadline
+
+    def _fold_run_s(self, spec: TaskSpec, took_s: float) -> None:
+        """Fold one sync run's time into its method's moving average (under the condition):
+        one slow run keeps the method off the claimer's thread for the next ~90 (5 % weight)."""
+        avg = self._spec_run_s.get(spec.label)
+        self._spec_run_s[spec.label] = took_s if avg is None else avg + 0.05 * (took_s - avg)
 
     def _leave(self, run: ClaimedRun) -> None:
         """`run` is out of flight (under the condition)."""

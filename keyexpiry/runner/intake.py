@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from keyexpiry.runner.inflight import DispatchStats
 
@@ -45,6 +45,9 @@ class Intake:
         self._lock = threading.Lock()
         self.overflowed = False
         """Set when a key was dropped (the intake was full); the claimer clears it."""
+        self.on_queued: Callable[[], None] = _nothing
+        """Called after keys were queued or a wake-up asked for (the claimer: another thread
+        claims if it is away running a long handler)."""
 
     def submit(self, keys: Iterable[str]) -> None:
         """Queue keys not already waiting; drop (and count) those past the bound."""
@@ -64,6 +67,7 @@ class Intake:
                     continue
                 queued.add(key)
                 self._incoming.put(key)
+        self.on_queued()
 
     def put_first(self, keys: list[str]) -> None:
         """Queue due tasks read from the ledger ahead of every event's key. One also waiting
@@ -78,6 +82,7 @@ class Intake:
     def wake(self) -> None:
         """End a `wait` now (flow control: held keys may be offered); never blocks."""
         self._incoming.put("")
+        self.on_queued()
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for a key; True when one waits."""
@@ -125,3 +130,7 @@ class Intake:
 
     def __len__(self) -> int:
         return self._incoming.qsize() + len(self._backlog) + len(self._first)
+
+
+def _nothing() -> None:
+    pass

@@ -84,7 +84,11 @@ def test_a_short_soak_loses_nothing_through_every_fault(tmp_path: Path, topology
         i = rotation.index("ledger_restart")
         rotation[i : i + 1] = soak.PATRONI_FAULTS
     assert {f["fault"] for f in faults} == set(rotation), faults
-    assert all(f["end_ms"] >= f["start_ms"] and "failed" not in f["detail"] for f in faults)
+    # A fault that raised says "fault failed: …" (`soak.py`); "Sentinel failed over again" is a
+    # failover that happened twice, not a failure.
+    assert all(
+        f["end_ms"] >= f["start_ms"] and not f["detail"].startswith("fault failed") for f in faults
+    ), faults
     assert [f["fault"] for f in faults].count("flushall") == 1
     assert fates["ran_once"] > 0.9 * verdict["created"], fates
     assert fates["dead_by_design"] > 0 and fates["cancelled"] > 0, fates
