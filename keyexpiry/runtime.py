@@ -30,6 +30,7 @@ from keyexpiry.masking import mask_url, redact
 from keyexpiry.redis.arming import arm_keys, redis_db
 from keyexpiry.redis.cluster import ClusterNodes, is_cluster_url, node_tag, parse_cluster_url
 from keyexpiry.redis.embedded import RestartingRetry, ensure_embedded_redis
+from keyexpiry.redis.handshake import handshake_options
 from keyexpiry.redis.sentinel import close_client, is_sentinel_url, master_client
 from keyexpiry.registry import Registry, default_registry
 from keyexpiry.run_metrics import RunMetrics
@@ -190,6 +191,8 @@ def redis_options(url: str, settings: Settings, *, pubsub: bool = False) -> dict
         # As given: redis-py compares it with monotonic time (int() made 0.5 s into 0, off).
         "health_check_interval": settings.health_check_interval_s,
         "decode_responses": False,
+        # Nothing in a connect that a health check falling due mid-handshake could misread.
+        **handshake_options(),
     }
     if not url.startswith("unix:"):
         options["socket_keepalive"] = True  # unix sockets have no keepalive

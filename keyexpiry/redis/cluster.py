@@ -26,6 +26,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from keyexpiry.errors import ConfigError
+from keyexpiry.redis.handshake import handshake_options
 
 SCHEMES = ("redis+cluster", "rediss+cluster")
 SLOTS = 16384
@@ -91,6 +92,10 @@ def cluster_client(parsed: ClusterUrl, options: dict[str, Any]) -> RedisCluster:
     merged = {**parsed.options, **options}
     retry = merged.pop("retry", None)
     merged.pop("health_check_interval", None)  # commands have timeouts instead
+    # Options for one node's connections (`handshake_options`), which RedisCluster does not
+    # take: with no health check here, its handshake has nothing to misread either.
+    for name in handshake_options():
+        merged.pop(name, None)
     nodes = [ClusterNode(host, port) for host, port in parsed.addresses]  # type: ignore[no-untyped-call]
     try:
         return RedisCluster(
