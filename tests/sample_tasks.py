@@ -182,7 +182,7 @@ class Probe:
         _note(name)
         gate(name).wait(120)
 
-    @exposed(timeout_s=1, retry_schedule_s=[0.05])
+    @exposed(timeout_s=3, retry_schedule_s=[0.05])
     def quick(self, name: str) -> None:
         """Returns at once, noting the thread it ran on; while `name` is in STALLS it says so
         (`entered`) and blocks on its gate (up to 20 s) instead."""

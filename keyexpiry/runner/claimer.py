@@ -141,18 +141,22 @@ class Claimer:
         self.run_here: Callable[[ClaimedRun], bool] | None = None
         """Runs a claimed run on the calling thread, True when the watchdog abandoned it (set
         by the dispatcher: without it, every run goes to the workers)."""
-        self.spawn: Callable[[], None] = _nothing
-        """Starts another thread running `loop` (set by the dispatcher): a hand-off."""
+        self.spawn: Callable[[int], None] = _nothing
+        """Starts a thread running `loop` for the generation given (set by the dispatcher)."""
         self._role = threading.Lock()
-        self._generation = 0  # which thread's loop claims: the others end
+        self.generation = 0
+        """Which thread's `loop` claims (its generation, fixed when it was spawned): a loop of
+        another ends, also one its thread's supervisor starts again after an error."""
+        self._away_thread: int | None = None
         self.away_since_s: float | None = None
         """When the claiming thread began running a run itself (None: it is not)."""
         self._here: ClaimedRun | None = None
         self._away_run: ClaimedRun | None = None
         self.intake.on_queued = self._queued
 
-    def loop(self) -> None:
-        """Claim until `stop` is set; whatever fails, the keys stay queued and the loop lives.
+    def loop(self, generation: int = 0) -> None:
+        """Claim until `stop` is set, as the claimer of `generation` (until a hand-off makes
+        another); whatever fails, the keys stay queued and the loop lives.
 
         A claim whose commit's outcome is unknown (`_Unsettled`) is claimed again under its own
         token before anything else, as soon as the ledger answers: the rows it took run now,
@@ -160,8 +164,7 @@ class Claimer:
         """
         backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
         inflight = self._inflight
-        generation = self._generation
-        while not self.stop.is_set():
+        while not self.stop.is_set() and self.generation == generation:
             unsettled, self._unsettled = self._unsettled, None
             if unsettled is not None:
                 batch, token = unsettled.keys, unsettled.token
@@ -244,12 +247,13 @@ class Claimer:
         assert self.run_here is not None
         self._stats.claimed_inline += 1
         self._away_run = run
+        self._away_thread = threading.get_ident()
         self.away_since_s = monotonic_s()
         try:
             self.run_here(run)
         finally:
             with self._role:
-                mine = self._generation == generation
+                mine = self.generation == generation
                 if mine:
                     self.away_since_s = None
                     self.claiming = False
@@ -262,13 +266,28 @@ class Claimer:
         since = self.away_since_s
         if since is None or not (force or monotonic_s() - since > HAND_OFF_AFTER_S):
             return False
+        if threading.get_ident() == self._away_thread:
+            return False  # the run itself (its permit given back wakes the intake) is ending
         with self._role:
             if self.away_since_s != since:
                 return False  # back already, or another run
             self.away_since_s = None
-            self._generation += 1
+            self.generation += 1
+            generation = self.generation
             # The run is the old thread's now (a stop waits for it among the running ones).
             self.claiming = False
+        try:
+            self.spawn(generation)
+        except Exception as exc:
+            # No thread to hand to (the process is out of threads): the old one claims on
+            # when its run returns, as if nothing had been handed.
+            with self._role:
+                if self.generation == generation:
+                    self.generation -= 1
+                    self.away_since_s = since
+                    self.claiming = True
+            logger.error("could not start another claiming thread: {}", exc)
+            return False
         self._stats.claim_hand_offs += 1
         run = self._away_run
         log = logger if run is None else logger.bind(key=run.row.key, attempt=run.row.attempts)
@@ -276,7 +295,6 @@ class Claimer:
             "run on the claiming thread for {:.0f} ms so far; another thread claims now",
             (monotonic_s() - since) * 1000,
         )
-        self.spawn()
         return True
 
     def _queued(self) -> None:
@@ -593,7 +611,7 @@ def _never() -> bool:
     return False
 
 
-def _nothing() -> None:
+def _nothing(_generation: int) -> None:
     pass
 
 

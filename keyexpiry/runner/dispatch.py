@@ -88,7 +88,7 @@ class Dispatcher:
         self.executor.gate = self.gate
         self.watchdog = Watchdog(self.executor, self.stats)
         self.claimer.run_here = self.executor.run_here
-        self.claimer.spawn = lambda: self._spawn("claimer", self.claimer.loop)
+        self.claimer.spawn = self._spawn_claimer
         self.watchdog.hand_off = self.claimer.hand_off
         self.recorder = Recorder(
             store=rt.store,
@@ -104,7 +104,7 @@ class Dispatcher:
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         """Start the claimer, the recorder, the watchdog and the worker pool."""
-        self._spawn("claimer", self.claimer.loop)
+        self._spawn_claimer(self.claimer.generation)
         self._spawn("recorder", lambda: self.recorder.loop(self._stopped))
         self._spawn("arming", lambda: self.arming.loop(self._stopped))
         self._spawn("watchdog", self.watchdog.loop)
@@ -195,6 +195,11 @@ class Dispatcher:
             )
         self.inflight.dropped(*runs)
         logger.info("released {} claimed task(s) that had not started", len(runs))
+
+    def _spawn_claimer(self, generation: int) -> None:
+        """A thread claiming as `generation` (`Claimer.loop`): restarted after an error, it is
+        still that one, and ends if the claims have moved on."""
+        self._spawn("claimer", lambda: self.claimer.loop(generation))
 
     def _spawn(self, name: str, target: Callable[[], object]) -> None:
         threads.spawn(name, target, stopped=self._stopped, errors=self.thread_errors)

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 _ERROR_MAX_CHARS = 8000
 AWAY_CHECK_S = 0.05
-"""While runs are going, the watchdog looks this often whether the claimer's own run has gone on
-past `HAND_OFF_AFTER_S` (`Claimer.hand_off`): with no key heard since, that is the next look."""
+"""The watchdog looks this often whether the claimer's own run has gone on past
+`HAND_OFF_AFTER_S` (`Claimer.hand_off`): with no key heard since, that is the next look."""
 _OUTCOME_NAMES = {TaskStatus.DONE: "done", TaskStatus.PENDING: "retry", TaskStatus.DEAD: "dead"}
 """An outcome's status as the `outcome` label of keyexpiry_runs_total."""
 
@@ -482,11 +482,10 @@ class Watchdog:
         while not stopped.is_set():
             next_deadline = self._fail_late_runs(monotonic_s())
             self.hand_off(False)
-            wait_s = min(next_deadline - monotonic_s(), 0.5)
-            if self.inflight.running:
-                # The claimer may be running one of them: a handler slower than its method's
-                # usual must not hold the claims for longer than this.
-                wait_s = min(wait_s, AWAY_CHECK_S)
+            # Nothing wakes it when the claimer starts a run of its own (a wake-up per run is
+            # what running it there saves): a handler slower than its method's usual holds
+            # the claims no longer than this and `HAND_OFF_AFTER_S`.
+            wait_s = min(next_deadline - monotonic_s(), AWAY_CHECK_S)
             stopped.wait(max(0.005, wait_s))
 
     def _fail_late_runs(self, now: float) -> float:

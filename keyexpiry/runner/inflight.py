@@ -111,6 +111,7 @@ class InFlight:
         self._async_limit = async_limit
         self._run_s_avg: float | None = None  # moving average of handler run time
         self._spec_run_s: dict[str, float] = {}  # and per task method (its spec's label)
+        self._spec_runs: dict[str, int] = {}  # runs folded into it (the first 20 count 1/n)
         self.inline = 0
         """Runs the claimer is running itself now (0 or 1)."""
         self.on_leave: Callable[[ClaimedRun], None] = _nothing
@@ -273,10 +274,15 @@ class InFlight:
         return late, next_deadline
 
     def _fold_run_s(self, spec: TaskSpec, took_s: float) -> None:
-        """Fold one sync run's time into its method's moving average (under the condition):
-        one slow run keeps the method off the claimer's thread for the next ~90 (5 % weight)."""
-        avg = self._spec_run_s.get(spec.label)
-        self._spec_run_s[spec.label] = took_s if avg is None else avg + 0.05 * (took_s - avg)
+        """Fold one sync run's time into its method's average (under the condition): the plain
+        mean of its first 20 runs (a first run slowed by a cold start weighs 1/n, not all),
+        then a moving one at 5 %: one slow run keeps the method off the claimer's thread for
+        the next ~90."""
+        label = spec.label
+        runs = self._spec_runs.get(label, 0) + 1
+        self._spec_runs[label] = runs
+        avg = self._spec_run_s.get(label, took_s)
+        self._spec_run_s[label] = avg + max(1 / runs, 0.05) * (took_s - avg)
 
     def _leave(self, run: ClaimedRun) -> None:
         """`run` is out of flight (under the condition)."""
