@@ -10,6 +10,11 @@ for that handler; so a run that goes on past `HAND_OFF_AFTER_S` while keys wait 
 watchdog, looking every `AWAY_CHECK_S`, finds past it) hands the claims to a new claimer thread,
 and the old one ends with its run: a handler that hangs on the claimer's thread holds no claim,
 and a key heard behind an unusually slow one waits ~0.05-0.1 s for its claim at most.
+
+Long because the claim loop's every branch (flood and deaf reads of the ledger, a commit's
+unknown outcome, row locks, rows that are not claimable, and the runs it keeps for itself with
+their hand-off) reads and writes the same loop state (`claiming`, the intake, `_unsettled`, the
+generation); split apart, each part would reach into the others' fields.
 """
 
 from __future__ import annotations
