@@ -239,7 +239,13 @@ def test_a_paused_method_holds_its_due_tasks_without_an_attempt_and_resumes_in_d
     with Client(settings) as client:
         client.pause("Shaped.plain", reason="supplier down")
         wait_until(lambda: running.listener.dispatcher.gate.paused(), 5)
-        keys = [client.create(Shaped.plain, i, ttl_ms=100 + 40 * (5 - i)) for i in range(6)]
+        # Due 40 ms apart whatever the creates take (relative TTLs on a loaded machine came
+        # out a millisecond apart, and their events' order is then Redis's to pick).
+        first = dt.datetime.now(dt.UTC) + dt.timedelta(milliseconds=600)
+        keys = [
+            client.create(Shaped.plain, i, at=first + dt.timedelta(milliseconds=40 * (5 - i)))
+            for i in range(6)
+        ]
         other = _wave(client, Shaped.limited, [(1,)], ttl_ms=50)
         _all_done_once(client, other, 10)  # other methods run on
         gate = running.listener.dispatcher.gate
