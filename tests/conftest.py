@@ -323,6 +323,11 @@ LEDGERS = os.environ.get("KEYEXPIRY_TEST_LEDGERS", "sqlite,mariadb,postgres").sp
 """The ledgers `db_url` runs each test on. `.ci/run` runs its second Python on SQLite alone: a
 newer interpreter's break shows there, the drivers' in the `server_db_url` tests, and the run
 stays within its time (the MariaDB and PostgreSQL variants were half of that part's 9.4 min)."""
+if not LEDGERS or set(LEDGERS) - {"sqlite", "mariadb", "postgres"}:
+    # A misspelt name would leave `db_url` no parameter: every test on it skipped, unseen.
+    raise pytest.UsageError(
+        f"KEYEXPIRY_TEST_LEDGERS: not a list of sqlite, mariadb, postgres: {LEDGERS}"
+    )
 
 
 @pytest.fixture(
