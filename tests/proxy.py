@@ -104,10 +104,13 @@ class WireProxy:
         """`upstream_url` with the proxy's port."""
         return self._target.set(host=LOOPBACK, port=self.port).render_as_string(hide_password=False)
 
-    def break_commit(self, when: TxRule, *, fault: Fault = "reply", times: int = 1) -> None:
-        """Break the next `times` COMMITs of transactions for which `when(statements)` is true."""
+    def break_commit(
+        self, when: TxRule, *, fault: Fault = "reply", times: int = 1, failover_s: float = 0.0
+    ) -> None:
+        """Break the next `times` COMMITs of transactions for which `when(statements)` is true;
+        with `failover_s`, as `break_statement` does."""
         with self._lock:
-            self._rules.append(_Rule(when, times, fault))
+            self._rules.append(_Rule(when, times, fault, failover_s=failover_s))
 
     def break_statement(
         self, when: TxRule, *, fault: Fault = "reply", times: int = 1, failover_s: float = 0.0

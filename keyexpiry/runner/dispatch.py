@@ -86,6 +86,7 @@ class Dispatcher:
             stopped=self._stopped,
         )
         self.executor.gate = self.gate
+        self.executor.stopping = self.claimer.stop
         self.watchdog = Watchdog(self.executor, self.stats)
         self.claimer.run_here = self.executor.run_here
         self.claimer.spawn = self._spawn_claimer

@@ -22,6 +22,7 @@ from keyexpiry.context import TaskContext, set_current
 from keyexpiry.errors import ArgumentError, DoNotRetry, KeyExpiryError, Retry, StoreError
 from keyexpiry.ledger.rows import MalformedRows, Occurrence, Outcome, TaskStatus
 from keyexpiry.ledger.store import Store
+from keyexpiry.log import Tally
 from keyexpiry.results import encode_result
 from keyexpiry.run_metrics import RunMetrics
 from keyexpiry.runner.coroutines import CoroutineRunner
@@ -134,6 +135,10 @@ class Executor:
         self._stats = stats
         self.errors = errors
         self.stopped = stopped
+        self.stopping = stopped
+        """Set when the listener begins to stop (the dispatcher hands in the claimer's stop):
+        a run waiting for the ledger to extend its lease gives up then."""
+        self._lease_waits = Tally(60.0)
         self.threads: list[threading.Thread] = []
         self.coroutines = CoroutineRunner(self, settings.async_concurrency)
         """Where `async def` handlers run: an event loop on a thread of its own."""
@@ -440,22 +445,70 @@ class Executor:
         waited_s = monotonic_s() - run.claimed_s
         if run.lease_until_ms >= needed_ms and waited_s < self.settings.takeover_after_s / 2:
             return True
-        until_ms = now_ms + int(run.timeout_s * 1000) + grace_ms
-        try:
-            kept = self.store.extend_lease(run.row.id, run.token, until_ms, now_ms)
-        except StoreError as exc:
-            # Unknown whether the lease still holds: give the run back to reconciliation rather
-            # than risk a second copy running.
-            log.warning("could not extend a late-starting claim's lease: {}; not running", exc)
+        kept = self._extend_lease(run, now_ms, grace_ms, log)
+        if kept is None:
             self._stats.claims_lost += 1
             return False
-        if not kept:
+        if kept is False:
             log.warning("claim lost while queued (its lease ran out); not running it here")
             self._stats.claims_lost += 1
             return False
-        run.lease_until_ms = until_ms
+        run.lease_until_ms = kept
         self._stats.leases_extended += 1
         return True
+
+    def _extend_lease(
+        self, run: ClaimedRun, now_ms: int, grace_ms: int, log: Logger
+    ) -> int | bool | None:
+        """Extend `run`'s lease to cover a whole run from now: the new lease end, False when the
+        claim was lost, None when the ledger could not say before the lease ran out (or the
+        listener stops, or the row is locked).
+
+        An outage waits for the ledger while the lease lasts, as the claimer and the recorder
+        do: given up at once, a run that started late in a failover waited its whole lease and
+        ran on a second attempt (a hundred tasks of a wave in the PostgreSQL failover test on a
+        loaded CI machine, 12 s late). Waiting is safe: the extension is checked against the
+        claim's token, so a claim taken over meanwhile reads False.
+        """
+        backoff = threads.Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
+        reconnects = self.store.reconnects
+        waited = False
+        while True:
+            until_ms = now_ms + int(run.timeout_s * 1000) + grace_ms
+            seen = reconnects.count
+            try:
+                kept = self.store.extend_lease(run.row.id, run.token, until_ms, now_ms)
+            except StoreError as exc:
+                left_s = (run.lease_until_ms - self.clock.now_ms()) / 1000
+                if exc.lock_timeout or left_s <= 0 or self.stopping.is_set():
+                    # Unknown whether the lease still holds: give the run back to reconciliation
+                    # rather than risk a second copy running.
+                    log.warning(
+                        "could not extend a late-starting claim's lease: {}; not running", exc
+                    )
+                    return None
+                if not waited:
+                    self._stats.lease_waits += 1
+                    said = self._lease_waits.add(1, monotonic_s())
+                    (log.warning if said else log.debug)(
+                        "could not extend a late-starting claim's lease: {}; waiting for the "
+                        "ledger while the lease lasts ({:.1f} s)",
+                        exc,
+                        left_s,
+                    )
+                    waited = True
+                wait_s = min(backoff.next_s(), left_s)
+                reconnects.pause(
+                    self.stopping,
+                    seen,
+                    wait_s,
+                    min_s=min(wait_s, self.settings.reconnect_initial_s),
+                )
+                now_ms = self.clock.now_ms()
+                continue
+            if waited:
+                log.info("lease extended once the ledger answered: running")
+            return until_ms if kept else False
 
 
 class Watchdog:

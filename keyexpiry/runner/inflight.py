@@ -79,6 +79,8 @@ class DispatchStats:
     found_due: int = 0
     """Due tasks found in the ledger while events were dropped or held up, claimed first."""
     leases_extended: int = 0
+    lease_waits: int = 0
+    """Late-starting runs whose lease extension met a ledger outage and waited for it."""
     claims_lost: int = 0
     claims_settled: int = 0
     """Claims whose commit's outcome was unknown, claimed again under their token."""

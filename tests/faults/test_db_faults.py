@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,6 +134,50 @@ def test_a_claim_lost_in_a_failover_runs_once_the_ledger_answers(
     if timeout_s > 2.0:
         assert [r.attempts for r in rows] == [1] * len(keys)
     assert running.listener.dispatcher.stats.claims_settled >= 1
+    running.stop()
+
+
+def _extends_a_lease(statements: Sequence[bytes]) -> bool:
+    """A rule matching the lease extension of a late-starting run: an UPDATE that sets the lease
+    and not the status (a claim sets both)."""
+    return any(
+        s.startswith(b"UPDATE time_limit_task SET")
+        and b"lease_until_ms=" in s
+        and b"status=" not in s
+        for s in statements
+    )
+
+
+def test_a_late_run_whose_lease_extension_meets_an_outage_runs_once_the_ledger_answers(
+    ledger: Client,
+    proxy: WireProxy,
+    redis_url: str,
+    tmp_path: Path,
+    start_listener: StartListener,
+) -> None:
+    # A run that waited in the queue past half its lease's grace asks the ledger to extend its
+    # lease before it starts. Met by a failover (the statement lost, then 2 s without a
+    # ledger), it was given up at once and its task waited its whole lease, then ran on a
+    # second attempt: a hundred tasks of a wave in the PostgreSQL failover test on a loaded CI
+    # machine. It must wait for the ledger while its lease lasts (5.5 s here) and run then.
+    cfg = make_settings(
+        redis_url, proxy.url, tmp_path, concurrency=1, handler_timeout_s=5.0, lease_grace_s=0.5
+    )
+    running = start_listener(cfg)
+    blocker = ledger.create("Probe.wait", "outage", ttl_ms=0)
+    wait_until(lambda: sample_tasks.CALLS[blocker] == 1, 5)
+    queued = ledger.create("Probe.record", "outage", ttl_ms=0)
+    claimed = wait_status(ledger, queued, TaskStatus.RUNNING)
+    assert claimed.started_at_ms is not None and sample_tasks.CALLS[queued] == 0
+    # Past half the grace: the lease left no longer covers a whole run.
+    wait_until(lambda: ledger.clock.now_ms() > claimed.started_at_ms + 400, 5)  # type: ignore[operator]
+    proxy.break_commit(_extends_a_lease, fault="commit", failover_s=2.0)
+    sample_tasks.gate("outage").set()
+    wait_until(lambda: proxy.broken == 1, 10, message="the extension never reached the proxy")
+    row = wait_status(ledger, queued, TaskStatus.DONE, timeout_s=15)
+    stats = running.listener.dispatcher.stats
+    assert (row.attempts, sample_tasks.CALLS[queued]) == (1, 1), "given up to its lease"
+    assert (stats.lease_waits, stats.leases_extended, stats.claims_lost) == (1, 1, 0)
     running.stop()
 
 
