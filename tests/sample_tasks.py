@@ -30,6 +30,10 @@ THREADS: dict[str, str] = {}
 """The thread each key's `Probe.quick` last ran on."""
 STALLS: set[str] = set()
 """Names `Probe.quick` blocks for on their gate (a handler usually fast that hangs once)."""
+RAISES: set[str] = set()
+"""Names whose next `Probe.quick` raises (once: the name is then removed)."""
+RAISED_ON: dict[str, str] = {}
+"""The thread each key's `Probe.quick` raised on."""
 business = MetaData()
 NOTES = Table(
     "biz_note",
@@ -73,6 +77,8 @@ def reset() -> None:
         FAIL_FIRST.clear()
         THREADS.clear()
         STALLS.clear()
+        RAISES.clear()
+        RAISED_ON.clear()
 
 
 def runs_in(path: str | os.PathLike[str]) -> Counter[str]:
@@ -185,9 +191,13 @@ class Probe:
     @exposed(timeout_s=3, retry_schedule_s=[0.05])
     def quick(self, name: str) -> None:
         """Returns at once, noting the thread it ran on; while `name` is in STALLS it says so
-        (`entered`) and blocks on its gate (up to 20 s) instead."""
+        (`entered`) and blocks on its gate (up to 20 s) instead; once in RAISES, it raises."""
         _note(name)
         THREADS[current().key] = threading.current_thread().name
+        if name in RAISES:
+            RAISES.discard(name)
+            RAISED_ON[current().key] = threading.current_thread().name
+            raise RuntimeError(f"quick {name} raised")
         if name in STALLS:
             entered(name).set()
             gate(name).wait(20)

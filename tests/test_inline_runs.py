@@ -14,7 +14,7 @@ from keyexpiry.bench.servers import wait_until
 from keyexpiry.ledger.store import TaskStatus
 from tests import sample_tasks
 from tests.ke import Running, wait_status
-from tests.sample_tasks import STALLS, THREADS, entered, gate
+from tests.sample_tasks import RAISED_ON, RAISES, STALLS, THREADS, entered, gate
 
 StartListener = Callable[[Settings], Running]
 CLAIMER = "keyexpiry-claimer"
@@ -118,3 +118,24 @@ def test_a_run_hung_on_the_claimers_thread_fails_at_its_timeout_and_the_pool_kee
     gate("hung").set()
     wait_until(lambda: _claimers() == 1, 5, message=f"{_claimers()} claimer threads")
     assert dispatcher.wait_idle(5)
+
+
+def test_a_handler_raising_on_the_claimers_thread_is_retried_and_claims_go_on(
+    client: Client, settings: Settings, start_listener: StartListener
+) -> None:
+    running = start_listener(settings)
+    dispatcher = running.listener.dispatcher
+    _warm_up(client, running, "warm")
+    RAISES.add("raises")
+    key = client.create("Probe.quick", "raises", ttl_ms=0)
+    row = wait_status(client, key, TaskStatus.DONE)
+    # The test must make the claimer's own thread meet the exception.
+    assert RAISED_ON[key] == CLAIMER
+    assert row.attempts == 2 and sample_tasks.CALLS[key] == 2
+    assert dispatcher.stats.retried == 1 and dispatcher.stats.claim_hand_offs == 0
+    # A handler's exception is its run's outcome, not an error around the run: the claiming
+    # thread neither died nor was replaced, and claims go on.
+    assert dispatcher.thread_errors.count == 0, dispatcher.thread_errors.by_thread
+    assert _claimers() == 1
+    after = client.create("Probe.record", "after", ttl_ms=0)
+    wait_status(client, after, TaskStatus.DONE)

@@ -183,14 +183,16 @@ class Executor:
         True when the watchdog abandoned it meanwhile (another thread claims now)."""
         run.inline = True
         inflight = self.inflight
-        inflight.inline += 1
+        with inflight.inline_lock:
+            inflight.inline += 1
         try:
             return self._execute(run) or run.abandoned
         except Exception as exc:
             self.run_broke(run, exc)
             return run.abandoned
         finally:
-            inflight.inline -= 1
+            with inflight.inline_lock:
+                inflight.inline -= 1
 
     def run_broke(self, run: ClaimedRun, exc: Exception) -> None:
         """Something other than the handler raised around a run (a bug, or a value that slipped

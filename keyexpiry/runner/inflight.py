@@ -115,7 +115,10 @@ class InFlight:
         self._spec_run_s: dict[str, float] = {}  # and per task method (its spec's label)
         self._spec_runs: dict[str, int] = {}  # runs folded into it (the first 20 count 1/n)
         self.inline = 0
-        """Runs the claimer is running itself now (0 or 1)."""
+        """Runs claiming threads are running themselves now: 0 or 1, 2 for a moment after a
+        hand-off (the old thread's run and the new claimer's). Changed under `inline_lock`:
+        two threads may change it at once."""
+        self.inline_lock = threading.Lock()
         self.on_leave: Callable[[ClaimedRun], None] = _nothing
         """Called (outside the condition) for each run that leaves flight, however it leaves:
         flow control gives its permit back."""

@@ -392,8 +392,13 @@ def test_a_postgres_primary_lost_mid_wave_loses_nothing(
                 what: [k for k in keys if missed.get(k) not in EXPLAINED_BY[what]]
                 for what, keys in explainable.items()
             }
+            kinds = {
+                w: dict(Counter(str(missed.get(k)) for k in ks)) for w, ks in unexplained.items()
+            }
+            lost_runs = sum(r.listener.dispatcher.stats.claims_lost for r in listeners)
             assert not any(unexplained.values()), (
-                f"not explained by a commit the standby never got: {unexplained}"
+                f"not explained by a commit the standby never got: {unexplained}; what the"
+                f" standby missed of them: {kinds}; runs given up by the listeners: {lost_runs}"
             )
         lost = set(explainable["lost"])
         if lost:  # counted nowhere else: say it in the row's name
