@@ -156,6 +156,9 @@ class Ledger:
         pymysql = engine.dialect.driver == "pymysql"
         self.postgres = engine.dialect.name == "postgresql"
         """Whether the ledger is on PostgreSQL (its claims and creates use RETURNING)."""
+        self.embedded = engine.dialect.name == "sqlite"
+        """Whether the ledger is a SQLite file: no server to lose or fail over, so a statement
+        that fails met a busy file (another writer) or the disk, not an outage to wait out."""
         self._literal_upserts = pymysql
         # A statement sent and its reply read apart (`_pipelined`): PyMySQL's own two halves of
         # `Connection.query`, private names, so checked once here rather than trusted.
