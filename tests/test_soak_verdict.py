@@ -96,16 +96,24 @@ class Recorder:
                 }
             )
 
-    def fault(self, kind: str, start_s: float, end_s: float, pids: tuple[int, ...] = ()) -> None:
-        self.faults.append(
-            {
-                "fault": kind,
-                "start_ms": ms(start_s),
-                "end_ms": ms(end_s),
-                "pids": list(pids),
-                "detail": "",
-            }
-        )
+    def fault(
+        self,
+        kind: str,
+        start_s: float,
+        end_s: float,
+        pids: tuple[int, ...] = (),
+        hit_s: float | None = None,
+    ) -> None:
+        line: dict[str, Any] = {
+            "fault": kind,
+            "start_ms": ms(start_s),
+            "end_ms": ms(end_s),
+            "pids": list(pids),
+            "detail": "",
+        }
+        if hit_s is not None:
+            line["hit_ms"] = ms(hit_s)
+        self.faults.append(line)
 
     def sample(
         self,
@@ -326,6 +334,28 @@ def test_a_frozen_listener_finishing_after_its_takeover_is_documented(rec: Recor
     rec.run(1, 20.0, 20.1, attempt=2, pid=PID_B)
     report = judge(rec)
     assert fate_ids(report, "ran_twice_documented") == [1]
+
+
+@pytest.mark.parametrize(
+    ("started_s", "documented"),
+    [
+        pytest.param(10.05, True, id="between the stamp and the signal"),
+        pytest.param(10.14, True, id="within the clocks' slack after it"),
+        pytest.param(10.2, False, id="after the signal"),
+    ],
+)
+def test_a_run_that_started_before_the_signal_came_is_one_it_hit(
+    rec: Recorder, started_s: float, documented: bool
+) -> None:
+    # The driver stamps a fault, then signals once it holds its fleet's lock: a run may start
+    # in between (CI, 2026-12-07: a SIGSTOP's run, taken over and run again, was judged an
+    # undocumented duplicate). A frozen or dead process starts nothing after the signal.
+    rec.create(1, due_s=10)
+    rec.run(1, started_s, 16.5, pid=PID_A)
+    rec.fault("sigstop", 10.0, 16.0, pids=(PID_A,), hit_s=10.1)
+    rec.run(1, 15.6, 15.7, attempt=2, pid=PID_B)
+    fate = "ran_twice_documented" if documented else "ran_twice_undocumented"
+    assert fate_ids(judge(rec), fate) == [1]
 
 
 @pytest.mark.parametrize(

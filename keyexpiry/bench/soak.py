@@ -592,6 +592,8 @@ class SoakRun:
         self.stop = threading.Event()
         self.flushed = False
         self.fault_log: list[dict[str, Any]] = []
+        self._hit_ms: int | None = None
+        """When the fault being made sent its signal (kill -9, SIGSTOP): its history's `hit_ms`."""
         self.fleet: Fleet | None = None
         self.netns = NetNamespace(work / "netns") if cfg.network else None
 
@@ -825,6 +827,7 @@ class SoakRun:
                 continue
             start = _now_ms()
             pids: list[int] = []
+            self._hit_ms = None
             try:
                 detail = self._fault(name, fleet, victims, pids)
             except Exception as exc:  # the run goes on; the report says so
@@ -837,6 +840,8 @@ class SoakRun:
                 "pids": pids,
                 "detail": detail,
             }
+            if self._hit_ms is not None:
+                line["hit_ms"] = self._hit_ms
             self.faults.write(line)
             self.fault_log.append(line)
             took = (end - start) / 1000
@@ -848,6 +853,7 @@ class SoakRun:
             slot = victims["kill9"] % n
             victims["kill9"] += 1
             old = fleet.signal(slot, signal.SIGKILL)
+            self._hit_ms = _now_ms()
             pids.append(old)
             # The dead process's port refuses at once, but wait for its successor anyway.
             wait_until(
@@ -861,6 +867,7 @@ class SoakRun:
             slot = victims["sigstop"] % n
             victims["sigstop"] += 1
             pids.append(fleet.signal(slot, signal.SIGSTOP))
+            self._hit_ms = _now_ms()
             time.sleep(self.cfg.sigstop_s)  # the fault's own length
             fleet.signal(slot, signal.SIGCONT)
             return f"listener {slot} stopped {self.cfg.sigstop_s:g} s, {self._ready()}"

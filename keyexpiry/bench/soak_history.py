@@ -82,6 +82,9 @@ class Fault:
     end_ms: int
     pids: frozenset[int]
     detail: str
+    hit_ms: int = 0
+    """When a signal fault's signal was sent (after the driver's wait for its fleet lock); its
+    start stamp is taken before. 0: not recorded (other faults, older histories): `start_ms`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +199,7 @@ def _read_faults(path: Path, anomalies: Counter[str]) -> list[Fault]:
             end_ms=int(row.get("end_ms") or row["start_ms"]),
             pids=frozenset(int(p) for p in row.get("pids") or ()),
             detail=str(row.get("detail", "")),
+            hit_ms=int(row.get("hit_ms") or row["start_ms"]),
         )
         for row in _lines(path, anomalies)
     ]

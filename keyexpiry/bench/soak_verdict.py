@@ -51,6 +51,12 @@ WINDOW1_FAULTS = ("kill9", "sigstop", "net_partition_ledger")
 from the database by a network partition); a run's
 `params["window1_faults"]` overrides it (a `stall` cuts a listener off from the database, which
 GUARANTEES also puts in window 1)."""
+SIGNAL_CLOCK_SLACK_MS = 50
+"""How far a run's start (the listener's clock, synced to Redis's) may read after the signal that
+froze or killed its process (the driver's host clock) and still be a run the signal hit. A
+frozen or dead process starts nothing after the signal, so a start read just after it is the
+clocks' error (a loaded machine's clock reads are tens of ms off), never a later run; the slack
+stays far below the shortest freeze (6 s)."""
 SPAN_FAULTS = frozenset({"net_partition_ledger"})
 """Window-1 faults that last: a run of the listener they hit that started while they lasted is
 covered too (see `_documenting_fault`)."""
@@ -136,7 +142,7 @@ def _context(faults: list[Fault], params: dict[str, Any]) -> _Context:
     for f in faults:
         if f.kind in window1:
             for pid in f.pids:
-                hits[pid].append((f.start_ms, f.end_ms, f.kind))
+                hits[pid].append((f.hit_ms or f.start_ms, f.end_ms, f.kind))
     lost_kinds = frozenset(params.get("lost_commit_faults", ()))
     window_ms = int(params.get("lost_commit_window_ms", 0))
     # Only what the lost primary had answered before it went: a commit answered after the
@@ -192,7 +198,10 @@ def _documenting_fault(task: Task, extra: Run, ctx: _Context) -> str | None:
     """
     for earlier in _earlier_candidates(task, extra):
         for start_ms, end_ms, kind in ctx.window1_hits.get(earlier.pid, ()):
-            if earlier.start_ms <= start_ms <= extra.start_ms:
+            # A frozen or dead process starts nothing: a run of it that started up to the
+            # signal (the listener's shared clock read against the driver's host clock) ran
+            # when it came.
+            if earlier.start_ms <= start_ms + SIGNAL_CLOCK_SLACK_MS and start_ms <= extra.start_ms:
                 return kind
             # Cut off from the database, a listener records nothing for as long as the
             # partition lasts: a run it started then (claimed just before the cut took hold,
